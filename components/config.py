@@ -1,0 +1,132 @@
+"""params.yaml, loaded into a typed schema: the single source of every knob.
+
+The schema holds no defaults on purpose: a value lives in params.yaml and nowhere else, so what DVC tracks
+is what ran. Unknown, missing or mistyped keys fail loudly with the dotted key and the expected type.
+"""
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ParamsError(ValueError):
+    """params.yaml is unreadable or does not match the schema."""
+
+
+class Section(BaseModel):
+    # strict: "12" is not an int and 1 is not a bool; a typo in params.yaml must not be coerced away.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class DataParams(Section):
+    dir: str = Field(description="seed data directory versioned by data.dvc")
+    max_text_length: int = Field(gt=0, description="longest state or action accepted, in characters")
+    reward_range: list[float] = Field(description="[low, high] inclusive range of a step reward")
+
+    @field_validator("reward_range")
+    @classmethod
+    def _low_below_high(cls, value: list[float]) -> list[float]:
+        if len(value) != 2 or not value[0] < value[1]:
+            raise ValueError("must be [low, high] with low < high")
+        return value
+
+
+class ModelsParams(Section):
+    cache_dir: str = Field(description="where packaged offline models are converted to safetensors once")
+    policy: str = Field(description="packaged model name, Hugging Face id or local path")
+    experience: str = Field(description="packaged model name, Hugging Face id or local path")
+    embedder: str = Field(description="sentence-transformers model: packaged name, id or path")
+
+
+class S3Params(Section):
+    bucket: str
+    prefix: str
+    # None: take AWS_ENDPOINT_URL from the environment (boto3's own variable), else AWS itself.
+    endpoint_url: str | None
+    region: str
+
+
+class StorageParams(Section):
+    backend: Literal["local", "s3"]
+    local_dir: str
+    s3: S3Params
+
+
+class Params(Section):
+    seed: int
+    data: DataParams
+    models: ModelsParams
+    storage: StorageParams
+
+
+def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:
+    """Read params.yaml (plus dotted-key overrides such as {"data.max_text_length": 10}) into Params."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: file not found; run from the repository root or pass --params PATH") from None
+    except yaml.YAMLError as error:
+        raise ParamsError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level")
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    return parse_params(raw, source=str(path))
+
+
+def parse_params(raw: dict[str, Any], source: str = "params") -> Params:
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as error:
+        problems = [_describe(err) for err in error.errors()]
+        raise ParamsError(f"{source}: " + "; ".join(problems)) from None
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = [str(part) for part in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        allowed = list(_model_at(loc[:-1]).model_fields)
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(allowed)}"
+        return f"unknown key '{key}' ({hint})"
+    expected = _expected_type(loc)
+    if err["type"] == "missing":
+        return f"missing key '{key}' (expected {expected})"
+    got = err.get("input")
+    return f"'{key}' expects {expected}, got {type(got).__name__} {got!r}: {err['msg']}"
+
+
+def _model_at(loc: list[str]) -> type[BaseModel]:
+    model: type[BaseModel] = Params
+    for part in loc:
+        annotation = model.model_fields[part].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+    return model
+
+
+def _expected_type(loc: list[str]) -> str:
+    model, name = _model_at(loc[:-1]), loc[-1]
+    field = model.model_fields.get(name)
+    if field is None:  # an index inside a list, e.g. data.reward_range.0
+        return "a valid value"
+    annotation = field.annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "a mapping"
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in typing.get_args(annotation))
+    return getattr(annotation, "__name__", None) if isinstance(annotation, type) else str(annotation)

@@ -1,0 +1,183 @@
+"""The trajectory data contract: Task, Step, Trajectory, their JSONL/Parquet forms, and the transition view.
+
+One JSON object per line (JSONL), or the same columns in Parquet where the free-form objects `parameters` and
+`info` are stored as JSON text (Parquet has no schemaless map). These readers trust their input: untrusted user
+files go through `components.onboarding`, which validates every record first.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SOURCES = ("expert", "random", "policy", "synthetic", "human")
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    environment: str
+    instruction: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    state: str
+    action: str
+    next_state: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    trajectory_id: str
+    task: Task
+    steps: list[Step]
+    success: bool
+    return_: float  # `return` in the files; a Python keyword here
+    source: str
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Trajectory:
+        task = record["task"]
+        return cls(
+            trajectory_id=record["trajectory_id"],
+            task=Task(task["task_id"], task["environment"], task["instruction"], task.get("parameters") or {}),
+            steps=[
+                Step(s["state"], s["action"], s["next_state"], float(s["reward"]), s["done"], s.get("info") or {})
+                for s in record["steps"]
+            ],
+            success=record["success"],
+            return_=float(record["return"]),
+            source=record["source"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trajectory_id": self.trajectory_id,
+            "task": {
+                "task_id": self.task.task_id,
+                "environment": self.task.environment,
+                "instruction": self.task.instruction,
+                "parameters": self.task.parameters,
+            },
+            "steps": [
+                {"state": s.state, "action": s.action, "next_state": s.next_state,
+                 "reward": s.reward, "done": s.done, "info": s.info}
+                for s in self.steps
+            ],
+            "success": self.success,
+            "return": self.return_,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One step seen from the experience model: (task, history, state, action) -> (next_state, reward, done)."""
+
+    trajectory_id: str
+    step_index: int
+    task: Task
+    history: tuple[tuple[str, str], ...]  # earlier (state, action) pairs, oldest first
+    state: str
+    action: str
+    next_state: str
+    reward: float
+    done: bool
+    source: str
+
+
+def transitions(trajectory: Trajectory, history_length: int | None = None) -> Iterator[Transition]:
+    """Every step of a trajectory as a Transition, carrying at most `history_length` earlier steps."""
+    for index, step in enumerate(trajectory.steps):
+        start = 0 if history_length is None else max(0, index - history_length)
+        history = tuple((s.state, s.action) for s in trajectory.steps[start:index])
+        yield Transition(trajectory.trajectory_id, index, trajectory.task, history, step.state, step.action,
+                         step.next_state, step.reward, step.done, trajectory.source)
+
+
+def file_format(path: str | Path) -> str | None:
+    """'jsonl', 'parquet', or None for a file this contract cannot hold."""
+    return SUFFIXES.get(Path(path).suffix.lower())
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    return [Trajectory.from_dict(record) for record in read_records(path)]
+
+
+def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> None:
+    write_records((t.to_dict() for t in trajectories), path)
+
+
+def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Plain dicts from a JSONL or Parquet file (the dict form of the contract)."""
+    path = Path(path)
+    if file_format(path) == "parquet":
+        for row in pq.read_table(path).to_pylist():
+            yield _from_parquet_row(row)
+        return
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+
+
+def write_records(records: Iterable[dict[str, Any]], path: str | Path) -> None:
+    """Write atomically (temp file, then rename) so a crash never leaves half a data file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    if file_format(path) == "parquet":
+        table = pa.Table.from_pylist([_to_parquet_row(r) for r in records], schema=PARQUET_SCHEMA)
+        pq.write_table(table, partial)
+    else:
+        with partial.open("w", encoding="utf-8") as out:
+            for record in records:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    partial.replace(path)
+
+
+PARQUET_SCHEMA = pa.schema([
+    ("trajectory_id", pa.string()),
+    ("task", pa.struct([("task_id", pa.string()), ("environment", pa.string()), ("instruction", pa.string()),
+                        ("parameters", pa.string())])),
+    ("steps", pa.list_(pa.struct([("state", pa.string()), ("action", pa.string()), ("next_state", pa.string()),
+                                  ("reward", pa.float64()), ("done", pa.bool_()), ("info", pa.string())]))),
+    ("success", pa.bool_()),
+    ("return", pa.float64()),
+    ("source", pa.string()),
+])
+
+
+def _to_parquet_row(record: dict[str, Any]) -> dict[str, Any]:
+    task = dict(record["task"], parameters=json.dumps(record["task"].get("parameters") or {}))
+    steps = [dict(step, info=json.dumps(step.get("info") or {})) for step in record["steps"]]
+    return dict(record, task=task, steps=steps)
+
+
+def _from_parquet_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Undo the JSON-text encoding of `parameters` and `info`; leave anything unexpected for validation."""
+    task = row.get("task")
+    if isinstance(task, dict) and isinstance(task.get("parameters"), str):
+        task["parameters"] = _json_or_raw(task["parameters"])
+    for step in row.get("steps") or []:
+        if isinstance(step, dict) and isinstance(step.get("info"), str):
+            step["info"] = _json_or_raw(step["info"])
+    return row
+
+
+def _json_or_raw(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # validation reports it as "not an object" instead of this reader crashing

@@ -1,0 +1,1 @@
+"""Environments: real adapters (TextWorld, MiniWoB++) and, later, the synthetic one, behind one interface."""

@@ -1,0 +1,56 @@
+"""Pipeline stages as plain functions: params in, files and a metrics dict out.
+
+DVC (`dreamgym stage NAME`) and Prefect (`flows/`) call these same functions, so both run identical work.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from components.config import Params
+from components.onboarding import QUARANTINE, TRAJECTORIES
+from components.reports import markdown_table, write_stage_outputs
+from components.validation import Limits, read_raw_records, validate_records
+
+
+class StageError(RuntimeError):
+    """A stage cannot run on what it was given; the message says what to do."""
+
+
+def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Re-check the versioned seed set against the contract and summarise it (metrics/validate.json)."""
+    data_dir = Path(root) / params.data.dir
+    path = data_dir / TRAJECTORIES
+    if not path.exists():
+        raise StageError(f"no seed data at {path}; onboard some first: dreamgym data onboard FILE.jsonl")
+    report = validate_records(read_raw_records(path), Limits.of(params.data))
+    if report.rejected:
+        first = report.rejected[0]
+        raise StageError(f"{len(report.rejected)} stored trajectories break the contract (edited by hand?); "
+                         f"first: {first.record.where}: {first.reasons[0]}. Re-onboard the original files.")
+    trajectories = [trajectory for _, trajectory in report.accepted]
+    quarantine = data_dir / QUARANTINE
+    groups: dict[tuple[str, str], list] = defaultdict(list)
+    for trajectory in trajectories:
+        groups[(trajectory.task.environment, trajectory.source)].append(trajectory)
+    metrics = {
+        "trajectories": len(trajectories),
+        "steps": sum(len(t.steps) for t in trajectories),
+        "tasks": len({t.task.task_id for t in trajectories}),
+        "quarantined": len(quarantine.read_text(encoding="utf-8").splitlines()) if quarantine.exists() else 0,
+        "success_rate": sum(t.success for t in trajectories) / len(trajectories),
+        "trajectories_by_environment": dict(sorted(Counter(t.task.environment for t in trajectories).items())),
+    }
+    rows = [[env, source, len(group), sum(len(t.steps) for t in group) / len(group),
+             sum(t.success for t in group) / len(group)] for (env, source), group in sorted(groups.items())]
+    text = (f"# Seed data validation\n\n{metrics['trajectories']} trajectories, {metrics['steps']} steps, "
+            f"{metrics['tasks']} tasks in `{params.data.dir}/`, all within the contract "
+            f"(rewards in {params.data.reward_range}, texts up to {params.data.max_text_length} characters). "
+            f"{metrics['quarantined']} record(s) sit in quarantine.\n\n"
+            + markdown_table(["environment", "source", "trajectories", "mean steps", "success rate"], rows))
+    write_stage_outputs("validate", metrics, text, root)
+    return metrics
+
+
+STAGES = {"validate": validate}  # stage name (dvc.yaml, Prefect) -> function; later stages join here

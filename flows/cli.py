@@ -1,0 +1,79 @@
+"""The `dreamgym` command: onboarding, stage entry points for DVC, and Prefect flows.
+
+  dreamgym data onboard PATH... [--data-dir DIR]   validate and store seed trajectories (exit 0 / 1 / 2)
+  dreamgym stage NAME                              run one pipeline stage directly (what dvc.yaml calls)
+  dreamgym flow NAME                               run a stage, or the whole `pipeline`, as a Prefect flow
+  dreamgym params check                            load params.yaml and report problems
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from components.config import ParamsError, load_params
+from components.stages import STAGES, StageError
+
+EXIT_OK, EXIT_REJECTED, EXIT_UNUSABLE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dreamgym", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml", help="path to params.yaml (default: %(default)s)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    data = commands.add_parser("data", help="seed data").add_subparsers(dest="action", required=True)
+    onboard = data.add_parser("onboard", help="validate seed trajectories and store the good ones")
+    onboard.add_argument("paths", nargs="+", help="JSONL or Parquet files of trajectory records")
+    onboard.add_argument("--data-dir", help="data directory (default: data.dir in params.yaml)")
+    onboard.add_argument("--no-version", action="store_true", help="do not `dvc add` the data directory")
+
+    stage = commands.add_parser("stage", help="run one pipeline stage (DVC calls this)")
+    stage.add_argument("name", choices=sorted(STAGES))
+    flow = commands.add_parser("flow", help="run a Prefect flow")
+    flow.add_argument("name", choices=sorted(STAGES) + ["pipeline"])
+    commands.add_parser("params", help="params.yaml").add_argument("action", choices=["check"])
+
+    args = parser.parse_args(argv)
+    try:
+        params = load_params(args.params)
+    except ParamsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.command == "data":
+        return _onboard(args, params)
+    if args.command == "stage":
+        return _run(lambda: STAGES[args.name](params))
+    if args.command == "flow":
+        from flows import pipeline
+
+        return _run(lambda: pipeline.FLOWS[args.name](args.params))
+    print(f"{args.params}: ok")
+    return EXIT_OK
+
+
+def _onboard(args: argparse.Namespace, params) -> int:
+    from components.onboarding import onboard
+    from components.validation import Limits, UnusableInput
+
+    try:
+        result = onboard(args.paths, args.data_dir or params.data.dir, Limits.of(params.data),
+                         version=not args.no_version)
+    except UnusableInput as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    print(result.summary())
+    return result.exit_code
+
+
+def _run(call) -> int:
+    try:
+        call()
+    except StageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv's console scripts: dreamgym, dvc, prefect
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+
+
+def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command with the venv's scripts on PATH, as a user in the project would."""
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A throwaway git + DVC checkout of the pipeline's files, so tests never touch the real repository."""
+    root = tmp_path / "project"
+    root.mkdir()
+    for name in ("params.yaml", "dvc.yaml", "components", "flows", "examples"):
+        source = REPO / name
+        copy = shutil.copytree if source.is_dir() else shutil.copy
+        copy(source, root / name)
+    run("git", "init", "-q", cwd=root)
+    run("dvc", "init", "-q", cwd=root)
+    run("dvc", "config", "core.analytics", "false", cwd=root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real temporary Prefect server (SQLite) for the whole session; slow to start on a loaded 2-core box."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -1,0 +1,66 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components.config import ParamsError, load_params, parse_params
+
+REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+
+
+def raw():
+    return yaml.safe_load(REPO_PARAMS.read_text())
+
+
+def test_repository_params_load():
+    params = load_params(REPO_PARAMS)
+    assert params.data.max_text_length == 65536
+    assert params.data.reward_range == [-1.0, 1.0]
+    assert params.storage.backend in ("local", "s3")
+
+
+def test_unknown_key_named_with_suggestion():
+    tree = raw()
+    tree["data"]["max_text_lenght"] = 10
+    with pytest.raises(ParamsError, match=r"unknown key 'data.max_text_lenght' \(did you mean 'max_text_length'\?\)"):
+        parse_params(tree)
+
+
+def test_unknown_section_lists_allowed_keys():
+    tree = raw()
+    tree["dat"] = {}
+    with pytest.raises(ParamsError, match=r"unknown key 'dat' \(did you mean 'data'\?\)"):
+        parse_params(tree)
+
+
+def test_mistyped_value_names_key_and_type():
+    tree = raw()
+    tree["data"]["max_text_length"] = "65536"
+    with pytest.raises(ParamsError, match=r"'data.max_text_length' expects int, got str '65536'"):
+        parse_params(tree)
+
+
+def test_literal_choice_is_listed():
+    tree = raw()
+    tree["storage"]["backend"] = "gcs"
+    with pytest.raises(ParamsError, match=r"'storage.backend' expects one of 'local', 's3'"):
+        parse_params(tree)
+
+
+def test_missing_key_and_bad_range():
+    tree = raw()
+    del tree["models"]["policy"]
+    tree["data"]["reward_range"] = [1.0, -1.0]
+    with pytest.raises(ParamsError) as error:
+        parse_params(tree)
+    assert "missing key 'models.policy' (expected str)" in str(error.value)
+    assert "data.reward_range" in str(error.value) and "low < high" in str(error.value)
+
+
+def test_overrides_and_file_errors(tmp_path):
+    assert load_params(REPO_PARAMS, {"data.max_text_length": 7}).data.max_text_length == 7
+    with pytest.raises(ParamsError, match="file not found"):
+        load_params(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("data: [unclosed")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(tmp_path / "bad.yaml")

@@ -1,0 +1,32 @@
+import math
+
+import pytest
+
+from components.contract import read_trajectories, transitions, write_trajectories, Trajectory
+from tests.seed_factory import valid_record
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_round_trip(tmp_path, suffix):
+    trajectories = [Trajectory.from_dict(valid_record(i)) for i in range(5)]
+    trajectories[0].steps[0].info["note"] = {"nested": [1, "two"]}
+    path = tmp_path / f"t{suffix}"
+    write_trajectories(trajectories, path)
+    assert read_trajectories(path) == trajectories
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_dict_form_matches_the_documented_record():
+    record = valid_record(2)
+    assert Trajectory.from_dict(record).to_dict() == record
+
+
+def test_transition_view_with_bounded_history():
+    trajectory = Trajectory.from_dict(valid_record(0, n_steps=4))
+    views = list(transitions(trajectory, history_length=2))
+    assert [v.step_index for v in views] == [0, 1, 2, 3]
+    assert views[0].history == ()
+    assert views[3].history == tuple((s.state, s.action) for s in trajectory.steps[1:3])
+    assert views[3].done and not views[2].done
+    assert all(v.next_state == s.next_state and math.isclose(v.reward, s.reward)
+               for v, s in zip(views, trajectory.steps))

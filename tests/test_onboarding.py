@@ -1,0 +1,72 @@
+"""`dreamgym data onboard` as a user runs it: exit codes, summary, quarantine, DVC versioning."""
+import json
+
+from components.contract import read_records, write_records
+from tests.conftest import run
+from tests.seed_factory import BREAKAGES, mixed_records, valid_record, write_jsonl
+
+
+def test_hundred_records_ten_broken_ten_ways(project):
+    records, broken_at = mixed_records(100)
+    seed = write_jsonl(records, project / "seed.jsonl")
+    result = run("dreamgym", "data", "onboard", str(seed), cwd=project, check=False)
+    assert result.returncode == 1, result.stderr
+    assert "accepted      90" in result.stdout and "rejected      10" in result.stdout
+    assert "Most common reasons:" in result.stdout and "quarantine.jsonl" in result.stdout
+
+    stored = list(read_records(project / "data" / "trajectories.jsonl"))
+    assert len(stored) == 90
+    quarantine = [json.loads(line) for line in (project / "data" / "quarantine.jsonl").read_text().splitlines()]
+    assert {entry["line"]: entry["reasons"][0]["rule"] for entry in quarantine} == broken_at
+    assert sorted(broken_at.values()) == sorted(BREAKAGES)
+    for entry in quarantine:  # nothing lost: the record as given, or its raw text when it did not parse
+        assert entry["record"] is not None or entry["raw"]
+        assert all(reason["message"] for reason in entry["reasons"])
+    assert (project / "data.dvc").exists()
+    assert "/data" in (project / ".gitignore").read_text()
+
+
+def test_onboarding_again_is_idempotent(project):
+    seed = write_jsonl(mixed_records(30)[0], project / "seed.jsonl")
+    run("dreamgym", "data", "onboard", str(seed), cwd=project, check=False)
+    stored = {name: (project / "data" / name).read_bytes() for name in ("trajectories.jsonl", "tasks.jsonl")}
+    again = run("dreamgym", "data", "onboard", str(seed), cwd=project, check=False)
+    assert again.returncode == 1 and "(0 new, 20 already stored)" in again.stdout
+    assert {name: (project / "data" / name).read_bytes() for name in stored} == stored
+    quarantine = [json.loads(line) for line in (project / "data" / "quarantine.jsonl").read_text().splitlines()]
+    assert sorted(entry["line"] for entry in quarantine) == list(range(21, 31))  # each rejected record once
+
+
+def test_all_accepted_exits_zero_and_merges(project):
+    first = write_jsonl([valid_record(i) for i in range(3)], project / "a.jsonl")
+    second = project / "b.parquet"
+    write_records([valid_record(i) for i in range(3, 5)], second)
+    assert run("dreamgym", "data", "onboard", str(first), cwd=project).returncode == 0
+    result = run("dreamgym", "data", "onboard", str(second), "--data-dir", "data", cwd=project)
+    assert "(2 new, 0 already stored)" in result.stdout
+    ids = [r["trajectory_id"] for r in read_records(project / "data" / "trajectories.jsonl")]
+    assert ids == [f"demo-{i:04d}" for i in range(5)]
+    tasks = [t["task_id"] for t in read_records(project / "data" / "tasks.jsonl")]
+    assert tasks == sorted(set(tasks)) and len(tasks) == 5
+
+
+def test_unusable_input_exits_two_and_writes_nothing(project):
+    missing = run("dreamgym", "data", "onboard", "nope.jsonl", cwd=project, check=False)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    (project / "seed.csv").write_text("a,b\n")
+    wrong = run("dreamgym", "data", "onboard", "seed.csv", cwd=project, check=False)
+    assert wrong.returncode == 2 and "give JSONL (.jsonl) or Parquet (.parquet)" in wrong.stderr
+    (project / "empty.jsonl").write_text("\n")
+    empty = run("dreamgym", "data", "onboard", "empty.jsonl", cwd=project, check=False)
+    assert empty.returncode == 2 and "contains no records" in empty.stderr
+    (project / "corrupt.parquet").write_bytes(b"not parquet")
+    corrupt = run("dreamgym", "data", "onboard", "corrupt.parquet", cwd=project, check=False)
+    assert corrupt.returncode == 2 and "cannot be read as Parquet" in corrupt.stderr
+    assert not (project / "data").exists()
+
+
+def test_bad_params_exit_two(project):
+    params = project / "params.yaml"
+    params.write_text(params.read_text().replace("max_text_length:", "max_text_lenght:"))
+    result = run("dreamgym", "data", "onboard", "x.jsonl", cwd=project, check=False)
+    assert result.returncode == 2 and "did you mean 'max_text_length'" in result.stderr

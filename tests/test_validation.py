@@ -1,0 +1,139 @@
+"""Every contract rule, each with a record that breaks only it, checked in one Great Expectations run."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from components.validation import Limits, RawRecord, read_raw_records, validate_records
+from tests.seed_factory import valid_record
+
+LIMITS = Limits(max_text_length=100, reward_range=(-1.0, 1.0))
+
+
+def _mutate(change):
+    record = valid_record(0)
+    change(record)
+    return record
+
+
+def _set(path, value):
+    def change(record):
+        target = record
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return change
+
+
+def _delete(path):
+    def change(record):
+        target = record
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+    return change
+
+
+# case id -> (mutation, expected rule, expected field)
+CASES = {
+    "missing trajectory_id": (_delete(["trajectory_id"]), "missing_field", "trajectory_id"),
+    "null success": (_set(["success"], None), "missing_field", "success"),
+    "missing task.instruction": (_delete(["task", "instruction"]), "missing_field", "task.instruction"),
+    "missing step action": (_delete(["steps", 1, "action"]), "missing_field", "steps[1].action"),
+    "return as string": (_set(["return"], "1.0"), "wrong_type", "return"),
+    "success as int": (_set(["success"], 1), "wrong_type", "success"),
+    "task as string": (_set(["task"], "cook"), "wrong_type", "task"),
+    "steps as object": (_set(["steps"], {"0": {}}), "wrong_type", "steps"),
+    "step as string": (_set(["steps", 2], "eat meal"), "wrong_type", "steps[2]"),
+    "reward as bool": (_set(["steps", 0, "reward"], True), "wrong_type", "steps[0].reward"),
+    "done as string": (_set(["steps", 0, "done"], "false"), "wrong_type", "steps[0].done"),
+    "parameters as list": (_set(["task", "parameters"], [1]), "wrong_type", "task.parameters"),
+    "info as string": (_set(["steps", 0, "info"], "x"), "wrong_type", "steps[0].info"),
+    "unknown top-level field": (_set(["notes"], "hi"), "unknown_field", ""),
+    "unknown task field": (_set(["task", "difficulty"], 3), "unknown_field", "task"),
+    "unknown step field": (_set(["steps", 0, "obs"], "x"), "unknown_field", "steps[0]"),
+    "empty steps": (_set(["steps"], []), "empty_steps", "steps"),
+    "unknown source": (_set(["source"], "robot"), "unknown_source", "source"),
+    "reward above range": (_set(["steps", 2, "reward"], 1.5), "reward_out_of_range", "steps[2].reward"),
+    "reward below range": (_set(["steps", 0, "reward"], -3), "reward_out_of_range", "steps[0].reward"),
+    "reward NaN": (_set(["steps", 0, "reward"], float("nan")), "reward_out_of_range", "steps[0].reward"),
+    "reward infinite": (_set(["steps", 1, "reward"], float("inf")), "reward_out_of_range", "steps[1].reward"),
+    "return infinite": (_set(["return"], float("-inf")), "non_finite", "return"),
+    "done before last step": (_set(["steps", 0, "done"], True), "done_before_last_step", "steps[0].done"),
+    "state chain broken": (_set(["steps", 2, "state"], "elsewhere"), "state_mismatch", "steps[2].state"),
+    "state too long": (_set(["steps", 0, "state"], "s" * 101), "text_too_long", "steps[0].state"),
+    "action too long": (_set(["steps", 1, "action"], "a" * 101), "text_too_long", "steps[1].action"),
+    "next_state too long": (_set(["steps", 2, "next_state"], "n" * 101), "text_too_long", "steps[2].next_state"),
+    "empty action": (_set(["steps", 0, "action"], ""), "empty_text", "steps[0].action"),
+    "empty trajectory_id": (_set(["trajectory_id"], ""), "empty_text", "trajectory_id"),
+    "empty environment": (_set(["task", "environment"], ""), "empty_text", "task.environment"),
+    "lone surrogate in state": (_set(["steps", 0, "state"], "bad \ud800 text"), "invalid_utf8", "steps[0]"),
+    "lone surrogate in instruction": (_set(["task", "instruction"], "\udc80"), "invalid_utf8", ""),
+}
+
+
+@pytest.fixture(scope="module")
+def outcome():
+    records = [RawRecord("cases.jsonl", line, value=_mutate(change))
+               for line, (change, _, _) in enumerate(CASES.values(), start=1)]
+    for record, name in zip(records, CASES):  # unique ids, so no case trips the uniqueness rule by accident
+        if record.value.get("trajectory_id"):
+            record.value["trajectory_id"] = f"case-{name}"
+    records.append(RawRecord("cases.jsonl", len(records) + 1, value=valid_record(1)))
+    report = validate_records(records, LIMITS)
+    return {rejected.record.line: rejected.reasons for rejected in report.rejected}, report
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rule(outcome, case):
+    reasons_by_line, _ = outcome
+    line = list(CASES).index(case) + 1
+    _, rule, field = CASES[case]
+    reasons = reasons_by_line.get(line, [])
+    assert (rule, field) in [(r.rule, r.field) for r in reasons], reasons
+    assert all(r.message for r in reasons)
+
+
+def test_valid_record_is_accepted_alongside_broken_ones(outcome):
+    _, report = outcome
+    assert [t.trajectory_id for _, t in report.accepted] == ["demo-0001"]
+    assert len(report.rejected) == len(CASES)
+
+
+def test_messages_name_the_fix(outcome):
+    reasons_by_line, _ = outcome
+    reason = next(r for r in reasons_by_line[list(CASES).index("reward above range") + 1])
+    assert "1.5" in reason.message and "reward_range" in reason.message
+
+
+def test_duplicate_ids_keep_the_first():
+    first, second = valid_record(3), valid_record(3)
+    second["steps"][0]["info"] = {"copy": 2}
+    report = validate_records([RawRecord("a.jsonl", 1, value=first), RawRecord("a.jsonl", 2, value=second)], LIMITS)
+    assert [r.line for r, _ in report.accepted] == [1]
+    assert [(x.record.line, x.reasons[0].rule) for x in report.rejected] == [(2, "duplicate_id")]
+
+
+def test_known_ids_identical_accepted_different_rejected():
+    stored = valid_record(4)
+    changed = copy.deepcopy(stored)
+    changed["success"] = not changed["success"]
+    known = {stored["trajectory_id"]: stored}
+    same = validate_records([RawRecord("a.jsonl", 1, value=copy.deepcopy(stored))], LIMITS, known=known)
+    other = validate_records([RawRecord("a.jsonl", 1, value=changed)], LIMITS, known=known)
+    assert len(same.accepted) == 1 and not same.rejected
+    assert [r.rule for r in other.rejected[0].reasons] == ["already_onboarded"]
+
+
+def test_parse_failures(tmp_path):
+    path = tmp_path / "raw.jsonl"
+    good = json.dumps(valid_record(5)).encode()
+    path.write_bytes(b"\n".join([good, b"{not json", b"[1, 2]", b'{"x": "\xff\xfe"}', b""]))
+    records = read_raw_records(path)
+    assert [(r.line, r.problem.rule if r.problem else None) for r in records] == [
+        (1, None), (2, "invalid_json"), (3, "not_an_object"), (4, "invalid_utf8")]
+    report = validate_records(records, LIMITS)
+    assert len(report.accepted) == 1
+    assert {r.record.line: r.record.text is not None for r in report.rejected} == {2: True, 3: False, 4: True}
