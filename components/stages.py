@@ -8,9 +8,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from components.artifacts import open_artifact_store
 from components.config import Params
 from components.onboarding import QUARANTINE, TRAJECTORIES
-from components.reports import markdown_table, write_stage_outputs
+from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
 
@@ -51,6 +52,13 @@ def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
             + markdown_table(["environment", "source", "trajectories", "mean steps", "success rate"], rows))
     write_stage_outputs("validate", metrics, text, root)
     return metrics
+
+
+def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> list[str]:
+    """Store a stage's metrics and report under the run in the configured artifact store; return their URIs."""
+    store = open_artifact_store(params.storage)
+    outputs = {"metrics": metrics_path(stage, root), "report": report_path(stage, root)}
+    return [store.put(path, run_id, f"{stage}-{kind}") for kind, path in outputs.items() if path.exists()]
 
 
 STAGES = {"validate": validate}  # stage name (dvc.yaml, Prefect) -> function; later stages join here

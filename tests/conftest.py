@@ -47,3 +47,6 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+from tests.s3_server import s3_server  # noqa: E402,F401  (session fixture: a real Swift S3 store on 127.0.0.1)
