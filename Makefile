@@ -16,8 +16,6 @@ PYTEST_ARGS ?= -m "not slow and not gpu and not external"
 
 .PHONY: run test setup system lock clean
 run: setup
-	dreamgym data onboard examples/seed/demo-kitchen.jsonl
-	dvc repro
 	dreamgym flow pipeline
 	@echo "Reports: $$(ls reports/*.md | tr '\n' ' ')  metrics: metrics/"
 

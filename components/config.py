@@ -57,11 +57,65 @@ class StorageParams(Section):
     s3: S3Params
 
 
+class TextWorldDifficulty(Section):
+    recipe: int = Field(ge=1, le=5, description="ingredients in the recipe")
+    take: int = Field(ge=0, description="ingredients to find (<= recipe)")
+    go: int = Field(description="rooms: 1, 6, 9 or 12")
+    open: bool
+    cook: bool
+    cut: bool
+
+
+class TextWorldParams(Section):
+    cache_dir: str = Field(description="generated games, cached by their parameters")
+    difficulty: TextWorldDifficulty
+    step_timeout_s: float = Field(gt=0)
+    max_steps: int = Field(gt=0)
+    generation_workers: int = Field(ge=1)
+
+
+class MiniWoBParams(Section):
+    tasks: list[str]
+    step_timeout_s: float = Field(gt=0)
+    max_steps: int = Field(gt=0)
+
+
+class EnvironmentsParams(Section):
+    textworld: TextWorldParams
+    miniwob: MiniWoBParams
+
+
+class EpisodeMix(Section):
+    """Episodes collected per training task, by policy: successes and failures for the seed set."""
+
+    expert: int = Field(ge=0)
+    noisy_expert: int = Field(ge=0)
+    random: int = Field(ge=0)
+
+
+class CollectSeedParams(Section):
+    environments: list[str]
+    train_tasks: int = Field(gt=0, description="training tasks per environment")
+    episodes: EpisodeMix
+    noisy_epsilon: float = Field(ge=0, le=1)
+    out_dir: str
+
+
+class EvaluateParams(Section):
+    environments: list[str]
+    heldout_tasks: int = Field(gt=0, description="held-out tasks per environment")
+    workers: int = Field(ge=1, description="environments stepped in parallel")
+    confidence: float = Field(gt=0, lt=1)
+
+
 class Params(Section):
     seed: int
     data: DataParams
     models: ModelsParams
     storage: StorageParams
+    environments: EnvironmentsParams
+    collect_seed: CollectSeedParams
+    evaluate: EvaluateParams
 
 
 def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:
@@ -76,7 +130,7 @@ def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | No
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     for dotted, value in (overrides or {}).items():
-        _set_dotted(raw, dotted, value)
+        set_dotted(raw, dotted, value)
     return parse_params(raw, source=str(path))
 
 
@@ -88,7 +142,7 @@ def parse_params(raw: dict[str, Any], source: str = "params") -> Params:
         raise ParamsError(f"{source}: " + "; ".join(problems)) from None
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for key in parents:
         tree = tree.setdefault(key, {})

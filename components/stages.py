@@ -10,7 +10,7 @@ from typing import Any
 
 from components.artifacts import open_artifact_store
 from components.config import Params
-from components.onboarding import QUARANTINE, TRAJECTORIES
+from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
@@ -54,6 +54,58 @@ def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
+def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Collect the default seed set in the real environments (seed/<environment>.jsonl), to be onboarded."""
+    from components.collection import collect_environment, collectable
+
+    root = Path(root)
+    environments, seed_only = collectable(params.collect_seed.environments)
+    metrics: dict[str, Any] = {"skipped": seed_only}
+    rows = []
+    for environment in environments:
+        trajectories = collect_environment(params, environment, root / params.collect_seed.out_dir / f"{environment}.jsonl",
+                                           root / ".cache" / "collect_seed" / f"{environment}.jsonl")
+        by_source: dict[str, list] = defaultdict(list)
+        for trajectory in trajectories:
+            by_source[trajectory.source].append(trajectory)
+        metrics[environment] = {
+            "trajectories": len(trajectories),
+            "steps": sum(len(t.steps) for t in trajectories),
+            "success_rate": sum(t.success for t in trajectories) / len(trajectories),
+            **{f"success_rate_{source}": sum(t.success for t in group) / len(group)
+               for source, group in sorted(by_source.items())},
+        }
+        rows += [[environment, source, len(group), sum(len(t.steps) for t in group) / len(group),
+                  sum(t.success for t in group) / len(group)] for source, group in sorted(by_source.items())]
+    settings = params.collect_seed
+    text = (f"# Seed collection\n\n{settings.train_tasks} training tasks per environment; per task "
+            f"{settings.episodes.expert} expert, {settings.episodes.noisy_expert} noisy-expert "
+            f"(epsilon {settings.noisy_epsilon}, source `policy`) and {settings.episodes.random} random episode(s). "
+            f"Onboard them with `dreamgym data onboard {settings.out_dir}/*.jsonl`.\n\n"
+            + markdown_table(["environment", "source", "trajectories", "mean steps", "success rate"], rows)
+            + (f"\nSkipped (no real-environment adapter): {', '.join(seed_only)}\n" if seed_only else ""))
+    write_stage_outputs("collect_seed", metrics, text, root)
+    return metrics
+
+
+def evaluate(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Expert and random baselines on held-out tasks of each real environment (success with confidence intervals)."""
+    from components.evaluation import evaluate_baselines
+
+    metrics, report = evaluate_baselines(params)
+    write_stage_outputs("evaluate", metrics, report, root)
+    return metrics
+
+
+def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult:
+    """Onboard the collected seed set (collect_seed's output) into the versioned data directory."""
+    root = Path(root)
+    paths = sorted((root / params.collect_seed.out_dir).glob("*.jsonl"))
+    if not paths:
+        raise StageError(f"nothing collected in {params.collect_seed.out_dir}/; run `dvc repro collect_seed` first")
+    return onboard(paths, root / params.data.dir, Limits.of(params.data))
+
+
 def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> list[str]:
     """Store a stage's metrics and report under the run in the configured artifact store; return their URIs."""
     store = open_artifact_store(params.storage)
@@ -61,4 +113,4 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
     return [store.put(path, run_id, f"{stage}-{kind}") for kind, path in outputs.items() if path.exists()]
 
 
-STAGES = {"validate": validate}  # stage name (dvc.yaml, Prefect) -> function; later stages join here
+STAGES = {"collect_seed": collect_seed, "validate": validate, "evaluate": evaluate}  # stage name (dvc.yaml, Prefect) -> function; later stages join here

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import yaml
+
 from components.config import ParamsError, load_params
 from components.stages import STAGES, StageError
 
@@ -20,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dreamgym", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml", help="path to params.yaml (default: %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a param for this run, e.g. --set collect_seed.train_tasks=2 (YAML value)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     data = commands.add_parser("data", help="seed data").add_subparsers(dest="action", required=True)
@@ -30,13 +34,13 @@ def main(argv: list[str] | None = None) -> int:
 
     stage = commands.add_parser("stage", help="run one pipeline stage (DVC calls this)")
     stage.add_argument("name", choices=sorted(STAGES))
-    flow = commands.add_parser("flow", help="run a Prefect flow")
+    flow = commands.add_parser("flow", help="run a Prefect flow (it reads params.yaml, as DVC does)")
     flow.add_argument("name", choices=sorted(STAGES) + ["pipeline"])
     commands.add_parser("params", help="params.yaml").add_argument("action", choices=["check"])
 
     args = parser.parse_args(argv)
     try:
-        params = load_params(args.params)
+        params = load_params(args.params, _overrides(args.set))
     except ParamsError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNUSABLE
@@ -47,9 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "flow":
         from flows import pipeline
 
-        return _run(lambda: pipeline.FLOWS[args.name](args.params))
+        return _run(lambda: pipeline.FLOWS[args.name]())
     print(f"{args.params}: ok")
     return EXIT_OK
+
+
+def _overrides(items: list[str]) -> dict:
+    pairs = [item.partition("=") for item in items]
+    if any(not sep for _, sep, _ in pairs):
+        raise SystemExit("error: --set takes KEY=VALUE, e.g. --set evaluate.workers=1")
+    return {key: yaml.safe_load(value) for key, _, value in pairs}
 
 
 def _onboard(args: argparse.Namespace, params) -> int:

@@ -1,50 +1,92 @@
-"""Prefect flows: thin wrappers that run the component stages as named tasks. No ML logic lives here."""
+"""Prefect flows: one per stage, and `pipeline` chaining them. Thin: no ML logic lives here.
+
+Each stage task runs `dvc repro STAGE`, which calls `dreamgym stage STAGE` (the component function) only when
+its inputs changed. DVC owns caching and versioning, Prefect owns orchestration, retries and what the UI shows:
+a run of the flow and a run of `dvc repro` do the same work once, never twice.
+"""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry calls
 
-from prefect import flow, task  # noqa: E402
+from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
 from components import stages  # noqa: E402
 from components.config import load_params  # noqa: E402
-from components.reports import report_path  # noqa: E402
+from components.reports import metrics_path, report_path  # noqa: E402
+
+PARAMS = "params.yaml"  # DVC reads params.yaml from the repository root; so do the flows
+# The scripts of this interpreter's environment (dvc, and the `dreamgym` that dvc.yaml calls) come first on PATH,
+# so a worker started without activating the venv runs the same code.
+BIN = str(Path(sys.executable).parent)
 
 
-@task(name="validate")
-def validate_task(params_path: str) -> dict:
-    metrics = stages.validate(load_params(params_path))
-    create_markdown_artifact(key="validate-report", markdown=report_path("validate").read_text(encoding="utf-8"),
-                             description="Seed data validation")
-    return metrics
+def _run_logged(command: list[str]) -> None:
+    """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI)."""
+    logger = get_run_logger()
+    # unbuffered: a stage's progress lines reach the log as they happen, not when a pipe buffer fills
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert process.stdout is not None
+    for line in process.stdout:
+        logger.info(line.rstrip())
+    if process.wait() != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}; its output is in the log above")
 
 
-@flow(name="validate")
-def validate_flow(params_path: str = "params.yaml") -> dict:
-    return validate_task(params_path)
+@task(task_run_name="dvc repro {stage}")
+def reproduce(stage: str) -> dict:
+    _run_logged(["dvc", "repro", stage])
+    create_markdown_artifact(key=f"{stage.replace('_', '-')}-report",
+                             markdown=report_path(stage).read_text(encoding="utf-8"), description=f"Report of {stage}")
+    return json.loads(metrics_path(stage).read_text(encoding="utf-8"))
 
 
-@task(name="publish", retries=2, retry_delay_seconds=5)  # uploads are idempotent: safe to retry
-def publish_task(params_path: str, run_id: str, stage: str) -> list[str]:
-    uris = stages.publish(load_params(params_path), run_id, stage)
-    create_markdown_artifact(key=f"{stage}-outputs", markdown="\n".join(f"- <{uri}>" for uri in uris),
+@task(name="onboard collected seed")
+def onboard_collected_seed() -> dict:
+    result = stages.onboard_collected(load_params(PARAMS))
+    get_run_logger().info(result.summary())
+    if result.rejected:  # our own collectors wrote these: a rejection is a bug, not user data to set aside
+        raise RuntimeError(f"{len(result.rejected)} collected trajectories broke the contract")
+    return {"added": result.added, "unchanged": result.unchanged}
+
+
+@task(name="publish", retries=2, retry_delay_seconds=5)  # uploads replace whole artifacts: safe to retry
+def publish(run_id: str, stage: str) -> list[str]:
+    uris = stages.publish(load_params(PARAMS), run_id, stage)
+    create_markdown_artifact(key=f"{stage.replace('_', '-')}-outputs", markdown="\n".join(f"- <{u}>" for u in uris),
                              description=f"Stored outputs of {stage}")
     return uris
 
 
+def _stage_flow(stage: str):
+    @flow(name=stage, flow_run_name=f"{stage}")
+    def stage_flow() -> dict:
+        return reproduce(stage)
+    return stage_flow
+
+
+STAGE_FLOWS = {stage: _stage_flow(stage) for stage in stages.STAGES}  # in pipeline order
+
+
 @flow(name="pipeline")
-def pipeline_flow(params_path: str = "params.yaml") -> dict:
-    """Every stage in order, each stage's outputs stored under this run; later issues add their stages here."""
+def pipeline_flow() -> dict:
+    """Every stage in order, each stage's outputs stored under this run id in the artifact store."""
     run_id = os.environ.get("DREAMGYM_RUN_ID") or str(flow_run.id)
-    results = {"run_id": run_id}
+    results: dict = {"run_id": run_id}
     for stage, stage_flow in STAGE_FLOWS.items():
-        results[stage] = stage_flow(params_path)
-        publish_task(params_path, run_id, stage)
+        results[stage] = stage_flow()
+        if stage == "collect_seed":
+            results["onboard"] = onboard_collected_seed()
+        publish(run_id, stage)
     return results
 
 
-STAGE_FLOWS = {"validate": validate_flow}  # in pipeline order
 FLOWS = {**STAGE_FLOWS, "pipeline": pipeline_flow}

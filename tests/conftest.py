@@ -40,6 +40,30 @@ def project(tmp_path: Path) -> Path:
     return root
 
 
+def set_params(project: Path, overrides: dict) -> None:
+    """Edit the project's params.yaml in place (dotted keys), as a user would before `dvc repro`."""
+    import yaml
+
+    from components.config import set_dotted
+
+    path = project / "params.yaml"
+    tree = yaml.safe_load(path.read_text())
+    for key, value in overrides.items():
+        set_dotted(tree, key, value)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+
+# A pipeline run small enough for a test: two TextWorld training games, sharing the repository's game cache.
+SMALL_RUN = {
+    "collect_seed.environments": ["textworld-cooking"],
+    "collect_seed.train_tasks": 2,
+    "collect_seed.episodes": {"expert": 1, "noisy_expert": 0, "random": 1},
+    "environments.textworld.cache_dir": str(REPO / ".cache" / "textworld"),
+    "evaluate.environments": ["textworld-cooking"],
+    "evaluate.heldout_tasks": 2,
+}
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """A real temporary Prefect server (SQLite) for the whole session; slow to start on a loaded 2-core box."""

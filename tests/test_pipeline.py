@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import run
+from tests.conftest import SMALL_RUN, run, set_params
 
 
 @pytest.fixture
@@ -14,11 +14,11 @@ def onboarded(project):
 
 
 def test_dvc_repro_runs_validate_then_is_up_to_date(onboarded):
-    run("dvc", "repro", cwd=onboarded)
+    run("dvc", "repro", "validate", cwd=onboarded)
     metrics = json.loads((onboarded / "metrics" / "validate.json").read_text())
     assert metrics["trajectories"] == 24 and 0 < metrics["success_rate"] < 1
     assert "| demo-kitchen | expert | 24 |" in (onboarded / "reports" / "validate.md").read_text()
-    again = run("dvc", "repro", cwd=onboarded)
+    again = run("dvc", "repro", "validate", cwd=onboarded)
     assert "didn't change, skipping" in again.stdout or "up to date" in again.stdout
 
 
@@ -32,25 +32,34 @@ def test_validate_stage_rejects_hand_edited_data(onboarded):
     assert result.returncode == 1 and "break the contract" in result.stderr and "steps[0].reward" in result.stderr
 
 
-def test_prefect_pipeline_flow(onboarded, monkeypatch, prefect_server):
+def test_prefect_pipeline_flow(project, monkeypatch, prefect_server):
+    """The whole pipeline flow on a real Prefect server: it drives DVC, onboards the collected seed, publishes."""
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import pipeline_flow
 
-    monkeypatch.chdir(onboarded)
+    set_params(project, SMALL_RUN)
+    monkeypatch.chdir(project)
     state = pipeline_flow(return_state=True)
     assert state.is_completed()
     result = state.result()
-    assert result["validate"]["trajectories"] == 24
-    stored = onboarded / "artifacts" / result["run_id"]  # storage.backend local in params.yaml
-    assert (stored / "validate-report" / "validate.md").read_bytes() == (onboarded / "reports/validate.md").read_bytes()
+    assert result["collect_seed"]["textworld-cooking"]["trajectories"] == 4
+    assert result["onboard"] == {"added": 4, "unchanged": 0}
+    assert result["validate"]["trajectories"] == 4 and result["validate"]["success_rate"] == 0.5
+    assert (project / "data.dvc").exists() and (project / "dvc.lock").exists()
+    stored = project / "artifacts" / result["run_id"]  # storage.backend local in params.yaml
+    assert (stored / "validate-report" / "validate.md").read_bytes() == (project / "reports/validate.md").read_bytes()
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs()
         names = {client.read_flow(r.flow_id).name for r in runs}
         artifacts = {a.key: a for a in client.read_artifacts()}
-    assert {"pipeline", "validate"} <= names and all(r.state.is_completed() for r in runs)
-    assert "demo-kitchen" in artifacts["validate-report"].data
+    assert {"pipeline", "collect_seed", "validate", "evaluate"} <= names and all(r.state.is_completed() for r in runs)
+    assert result["evaluate"]["textworld-cooking"]["expert"]["success_rate"] == 1.0
+    assert "textworld-cooking" in artifacts["validate-report"].data
     assert result["run_id"] in artifacts["validate-outputs"].data
+
+    second = run("dvc", "repro", cwd=project)  # the flow left nothing for DVC to redo
+    assert all(f"'{stage}' didn't change" in second.stdout for stage in ("collect_seed", "validate", "evaluate"))
 
 
 def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
@@ -64,10 +73,10 @@ def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
     run("dvc", "remote", "add", "-d", "storage", "s3://dreamgym/dvc", cwd=onboarded)
     data = onboarded / "data"
     before = {p.name: p.read_bytes() for p in data.iterdir()}
-    run("dvc", "push", cwd=onboarded)
+    run("dvc", "push", "data.dvc", cwd=onboarded)
     for path in (onboarded / ".dvc" / "cache", data):
         shutil.rmtree(path)
-    run("dvc", "pull", cwd=onboarded)
+    run("dvc", "pull", "data.dvc", cwd=onboarded)
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
 
     run("dreamgym", "stage", "validate", cwd=onboarded)

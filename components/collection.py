@@ -1,0 +1,80 @@
+"""Seed collection: real episodes on training tasks by expert, noisy-expert and random policies.
+
+The mix gives the seed set both successes and failures, which the experience model needs to learn rewards.
+Deterministic: task lists, policies' random choices and trajectory ids all derive from params. Resumable: each
+finished episode is appended to a progress file first, so a crash loses at most the episode in flight.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from components.contract import Trajectory, write_trajectories
+from components.environments.registry import has_adapter, real_environment
+from components.environments.rollout import run_episode
+
+SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "random": "random"}
+
+
+def collect_environment(params, environment: str, out_path: Path, progress_path: Path,
+                        log: Callable[[str], None] = print) -> list[Trajectory]:
+    """Collect the configured episode mix on `environment`'s training tasks; write them to `out_path`."""
+    kind = real_environment(environment)
+    settings = params.collect_seed
+    tasks = kind.make_tasks(params.environments, "train", settings.train_tasks, params.seed)
+    plan = [(task, policy, repeat) for task in tasks for policy, count in settings.episodes.model_dump().items()
+            for repeat in range(count)]
+    done = _load_progress(progress_path)
+    start, fresh = time.monotonic(), 0
+    env = kind.open(params.environments)
+    try:
+        with progress_path.open("a", encoding="utf-8") as progress:
+            for number, (task, policy_name, repeat) in enumerate(plan, start=1):
+                trajectory_id = f"{task.task_id}-{policy_name}-{repeat}"
+                if trajectory_id in done:
+                    continue
+                # Seeded per episode, not per run: a resumed run makes the same choices as an unbroken one.
+                rng = random.Random(zlib.crc32(f"{params.seed}/{trajectory_id}".encode()))
+                policy = {"expert": lambda: kind.expert(env),
+                          "noisy_expert": lambda: kind.noisy_expert(env, settings.noisy_epsilon, rng),
+                          "random": lambda: kind.random(env, rng)}[policy_name]()
+                trajectory = run_episode(env, task, policy, max_steps=kind.max_steps(params.environments),
+                                         trajectory_id=trajectory_id, source=SOURCE_OF[policy_name])
+                progress.write(json.dumps(trajectory.to_dict()) + "\n")
+                progress.flush()
+                done[trajectory_id] = trajectory
+                fresh += 1
+                eta = (time.monotonic() - start) / fresh * (len(plan) - number)
+                wins = sum(t.success for t in done.values())
+                log(f"[collect_seed {environment}] {number}/{len(plan)} episodes, {wins} successes, ETA {eta:.0f}s")
+    finally:
+        env.close()
+    collected = [done[f"{task.task_id}-{policy}-{repeat}"] for task, policy, repeat in plan]
+    write_trajectories(collected, out_path)
+    progress_path.unlink()
+    return collected
+
+
+def _load_progress(path: Path) -> dict[str, Trajectory]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        return {}
+    done = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            trajectory = Trajectory.from_dict(json.loads(line))
+        except (json.JSONDecodeError, KeyError):
+            break  # a line cut short by the crash: that episode runs again
+        done[trajectory.trajectory_id] = trajectory
+    # Keep only whole lines, so the episodes appended next do not follow a torn one.
+    path.write_text("".join(json.dumps(t.to_dict()) + "\n" for t in done.values()), encoding="utf-8")
+    return done
+
+
+def collectable(environments: list[str]) -> tuple[list[str], list[str]]:
+    """Split environment names into those with a real adapter and seed-only ones."""
+    return [e for e in environments if has_adapter(e)], [e for e in environments if not has_adapter(e)]

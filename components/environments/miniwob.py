@@ -1,0 +1,682 @@
+"""MiniWoB++ web tasks (Farama `miniwob` 1.1 gymnasium envs) in headless Debian Chromium, behind the text interface.
+
+Decisions callers rely on:
+- Task: `environment="miniwob"`, `parameters={"task": "login-user", "seed": 17}`. The seed fixes the page and the
+  utterance, so `make_tasks` resets a browser once per task to copy the utterance into `Task.instruction`
+  (~0.1 s a task plus one browser start). Every state starts with the live utterance anyway.
+- State (never raw HTML): `Task: <utterance>`, then one line per visible leaf element in document order,
+  `[ref] tag#id.class "text" value="..." checked focused` (parts only where present), and `text "..."` for bare text
+  without a ref (MiniWoB renumbers text nodes every step, so they cannot be targets). Refs are stable in an episode.
+- Actions: `click [ref]`, `type [ref] "text"` (focus, select all, type: replaces the field's text), `clear [ref]`,
+  `press "Enter"` / `press [ref] "Enter"` (a MiniWoB allowed key: Enter, Tab, ArrowDown, C-a, ...), `wait`
+  (let late widgets such as autocomplete menus appear). `valid_actions` is None: typing is open-ended.
+- An invalid or unparsable action returns the current state plus an `Error: ...` line, reward 0,
+  `info["valid_action"] = False`, and the episode goes on (the step cap of `run_episode` bounds it, as in WebArena).
+- Reward: 1.0 on the step where MiniWoB reports success, else 0.0 (the paper's outcome reward). MiniWoB's own
+  undiscounted reward is in `info["raw_reward"]` (its time-discounted one is left out: it depends on wall-clock
+  time, and recorded trajectories must be reproducible byte for byte);
+  `info["success"]` on the final step.
+- MiniWoB ends an episode by itself after a wall-clock limit (10-30 s per task) with failure: slow policies (an LLM on
+  CPU) should pass `episode_time_limit_s`.
+- A step that runs past `step_timeout_s` (a hung page or browser) kills the browser and ends the episode as a failure
+  with `info["timeout"] = True`; the next reset starts a fresh browser. Browser errors end the episode the same way.
+  A reset that hangs (RESET_TIMEOUT_S) or fails is retried once in a fresh browser, then raises.
+- One browser per env, started at the first reset (~2.5 s) and reused across resets and tasks. `close()` quits it and
+  kills its process group (chromedriver runs in its own session); it also runs from `__exit__`, `__del__` and atexit
+  (so Ctrl-C is covered). A SIGKILL, or a SIGTERM nobody handles, skips all of these and leaves the browser running;
+  its command line contains `dreamgym-miniwob-` (the profile directory).
+- The three `flight.*` tasks need a local http server and are refused.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from miniwob.action import Action, ActionTypes
+from miniwob.constants import DEFAULT_ALLOWED_KEYS
+from miniwob.environment import MiniWoBEnvironment
+from miniwob.fields import get_field_extractor
+from miniwob.selenium_instance import DEFAULT_BASE_URL, HTML_DIR, SeleniumInstance
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service as ChromeService
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.wait import WebDriverWait
+
+from components.contract import Task
+from components.environments.base import Environment, Observation, Policy, Split, StepResult
+
+# Tasks the expert solves; the env itself runs any non-flight MiniWoB task.
+TASKS = ("click-button", "click-link", "enter-text", "enter-password", "login-user", "click-checkboxes",
+         "click-tab-2", "use-autocomplete-nodelay", "search-engine", "email-inbox", "book-flight-nodelay")
+SEED_RANGES: dict[str, tuple[int, int]] = {"train": (0, 1_000_000), "heldout": (1_000_000, 2_000_000)}
+CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage")
+DEBIAN_BINARIES = {"MINIWOB_CHROME_BINARY": "/usr/bin/chromium", "MINIWOB_CHROMEDRIVER": "/usr/bin/chromedriver"}
+RESET_TIMEOUT_S = 30.0  # page loads are slower than steps; a reset that hangs this long gets a fresh browser
+TEXT_INPUTS = ("input_text", "input_password", "input_email", "input_search", "input_number", "input_tel",
+               "input_url", "textarea")
+
+T = TypeVar("T")
+
+
+class StepTimeout(Exception):
+    pass
+
+
+class ActionError(ValueError):
+    pass
+
+
+def _binary(variable: str) -> str:
+    """The env var if set, else the Debian path: miniwob's own fallback (selenium-manager) needs the network."""
+    path = os.environ.get(variable) or DEBIAN_BINARIES[variable]
+    if not Path(path).exists():
+        raise RuntimeError(f"{path} not found: apt-get install chromium chromium-driver, or set {variable}")
+    return path
+
+
+def _call(fn: Callable[[], T], timeout_s: float) -> T:
+    """Run fn in a daemon thread and give up after timeout_s: a wedged browser blocks its HTTP call for minutes,
+    and a daemon thread never keeps the interpreter from exiting."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as error:  # handed to the caller's thread
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True, name="miniwob-call")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise StepTimeout(f"no answer from the browser within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class _Browser(SeleniumInstance):
+    """miniwob's Selenium instance with our Chromium flags, a fresh profile, its own process group, page switching."""
+
+    def __init__(self, task_name: str):
+        super().__init__(index=0, subdomain=task_name, headless=True)
+        self.task_name = task_name
+        self.record_screenshots = False  # the text state does not use them, and each costs a PNG round trip
+        self.profile_dir = tempfile.mkdtemp(prefix="dreamgym-miniwob-")
+        self.service: ChromeService | None = None
+
+    def create_driver(self) -> None:
+        options = webdriver.ChromeOptions()
+        for flag in (*CHROME_FLAGS, f"--user-data-dir={self.profile_dir}"):
+            options.add_argument(flag)
+        options.binary_location = _binary("MINIWOB_CHROME_BINARY")
+        # A new session puts chromedriver and every Chromium process in one process group that close() can kill.
+        self.service = ChromeService(executable_path=_binary("MINIWOB_CHROMEDRIVER"),
+                                     popen_kw={"start_new_session": True})
+        self.driver = webdriver.Chrome(service=self.service, options=options)
+        self.load(self.task_name)
+        self.inner_width, self.inner_height = self.driver.execute_script(
+            "return [window.innerWidth, window.innerHeight];")
+
+    def load(self, task_name: str) -> None:
+        """Open another task's page in the same browser (~0.2 s instead of a 2 s browser start)."""
+        self.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task_name}.html")
+        self.field_extractor = get_field_extractor(task_name)
+        self.task_name = task_name
+        self.driver.get(self.url)
+        WebDriverWait(self.driver, 5).until(expected_conditions.element_to_be_clickable((By.ID, self.SYNC_SCREEN_ID)))
+
+    def close(self, polite: bool = True) -> None:
+        """Quit (if polite), then kill the whole process group: quit hangs on a wedged renderer or leaves orphans."""
+        if polite and getattr(self, "driver", None) is not None and not self.died:
+            try:
+                _call(self.driver.quit, 5.0)
+            except Exception:
+                pass
+        self.died = True
+        process = self.service.process if self.service is not None else None
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                process.wait(5)  # reap chromedriver so no zombie is left behind
+            except (subprocess.TimeoutExpired, ChildProcessError):
+                pass
+        shutil.rmtree(self.profile_dir, ignore_errors=True)
+
+
+class _Gym(MiniWoBEnvironment):
+    """The miniwob gymnasium env on a `_Browser` made by the caller, who can thus kill it even mid-start."""
+
+    def __init__(self, browser: _Browser):
+        self._browser = browser
+        super().__init__(subdomain=browser.task_name)
+
+    def _hard_reset_instance(self) -> None:
+        self.instance = self._browser
+        self.instance.start()
+
+
+@dataclass(frozen=True)
+class Element:
+    """One line of the abstract state."""
+
+    ref: int | None  # None for bare text
+    tag: str
+    text: str = ""
+    id: str = ""
+    cls: str = ""
+    value: str | None = None  # text inputs only
+    checked: bool = False
+    focused: bool = False
+
+    def render(self) -> str:
+        if self.ref is None:
+            return f"text {_quote(self.text)}"
+        parts = [f"[{self.ref}] {self.tag}" + (f"#{self.id}" if self.id else "") + (f".{self.cls}" if self.cls else "")]
+        if self.text:
+            parts.append(_quote(self.text))
+        if self.value is not None:
+            parts.append(f"value={_quote(self.value)}")
+        parts += [flag for flag, on in (("checked", self.checked), ("focused", self.focused)) if on]
+        return " ".join(parts)
+
+
+_QUOTED = r'"(?:[^"\\]|\\.)*"'
+_LINE = re.compile(rf'^\[(?P<ref>\d+)\] (?P<tag>[\w-]+)(?:#(?P<id>[^\s.#"]+))?(?:\.(?P<cls>[^\s.#"]+))?'
+                   rf'(?: (?P<text>{_QUOTED}))?(?: value=(?P<value>{_QUOTED}))?'
+                   r"(?P<checked> checked)?(?P<focused> focused)?$")
+_TEXT_LINE = re.compile(rf"^text (?P<text>{_QUOTED})$")
+_NAME = re.compile(r'^[^\s.#"]+$')
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _elements_from_dom(dom_elements: Sequence[dict[str, Any]]) -> list[Element]:
+    elements = []
+    for raw in dom_elements:
+        focused, _, _, is_leaf = (bool(flag) for flag in raw["flags"])
+        tag, text = raw["tag"], " ".join(raw["text"].split())
+        if not is_leaf or tag == "body" or float(raw["width"][0]) <= 1 or float(raw["height"][0]) <= 1:
+            continue  # containers repeat their leaves' text; 1-pixel nodes are screen-reader helpers
+        if raw["ref"] < 0:
+            if text:
+                elements.append(Element(None, "t", text))
+            continue
+        element_id = raw["id"] if _NAME.match(raw["id"] or "") else ""
+        cls = next((c for c in raw["classes"].split() if _NAME.match(c) and c != "SVG_CLASS"), "")
+        is_text_input = tag in TEXT_INPUTS
+        if not (text or element_id or cls or is_text_input or tag.startswith("input") or tag == "button"):
+            continue  # an empty, nameless leaf tells the agent nothing
+        elements.append(Element(int(raw["ref"]), tag, text, element_id, cls,
+                                raw["value"] if is_text_input else None,
+                                tag in ("input_checkbox", "input_radio") and raw["value"] == "True", focused))
+    return elements
+
+
+def render_state(utterance: str, elements: Sequence[Element]) -> str:
+    return "\n".join([f"Task: {utterance}", *(element.render() for element in elements)])
+
+
+def parse_state(state: str) -> tuple[str, list[Element]]:
+    """The utterance and elements of a rendered state (policies read states this way, as an LLM would)."""
+    lines = state.splitlines()
+    utterance = lines[0].removeprefix("Task: ") if lines else ""
+    elements = []
+    for line in lines[1:]:
+        if match := _LINE.match(line):
+            elements.append(Element(int(match["ref"]), match["tag"], json.loads(match["text"] or '""'),
+                                    match["id"] or "", match["cls"] or "",
+                                    json.loads(match["value"]) if match["value"] else None,
+                                    bool(match["checked"]), bool(match["focused"])))
+        elif match := _TEXT_LINE.match(line):
+            elements.append(Element(None, "t", json.loads(match["text"])))
+    return utterance, elements
+
+
+@dataclass(frozen=True)
+class Command:
+    verb: str  # click, type, clear, press, wait
+    ref: int | None = None
+    text: str = ""
+
+
+_COMMAND = re.compile(r'^(?P<verb>click|type|clear|press|wait)(?:\s*\[(?P<ref>-?\d+)\])?(?:\s+(?P<arg>".*"))?$',
+                      re.IGNORECASE | re.DOTALL)
+_KEYS = {key.lower(): key for key in DEFAULT_ALLOWED_KEYS} | {
+    key[1:-1].lower(): key for key in DEFAULT_ALLOWED_KEYS if key.startswith("<") and len(key) > 2}
+
+
+def parse_action(action: str, elements: Sequence[Element]) -> Command:
+    """A Command for an action text, or ActionError saying what is wrong with it."""
+    match = _COMMAND.match(action.strip())
+    if not match:
+        raise ActionError('unknown action; use click [ref], type [ref] "text", clear [ref], press [ref] "Key", '
+                          'press "Key" or wait')
+    verb, ref, arg = match["verb"].lower(), match["ref"], match["arg"]
+    needs_ref, needs_arg = verb in ("click", "type", "clear"), verb in ("type", "press")
+    if needs_ref and ref is None or verb == "wait" and ref is not None:
+        raise ActionError(f"{verb} takes {'an element [ref]' if needs_ref else 'no [ref]'}")
+    if needs_arg != (arg is not None):
+        raise ActionError(f'{verb} {"needs" if needs_arg else "takes no"} quoted text')
+    text = ""
+    if arg is not None:
+        try:
+            text = json.loads(arg)
+        except json.JSONDecodeError:
+            text = arg[1:-1]  # unescaped inner quotes: take the text as written
+    target = None
+    if ref is not None:
+        target = next((e for e in elements if e.ref == int(ref)), None)
+        if target is None:
+            raise ActionError(f"no element [{ref}] on the page")
+        if verb in ("type", "clear") and target.tag not in TEXT_INPUTS:
+            raise ActionError(f"[{ref}] is a {target.tag}, not a text field")
+    if verb == "press":
+        if text.lower() not in _KEYS:
+            raise ActionError(f"unknown key {text!r}; use e.g. Enter, Tab, Backspace, ArrowDown, C-a")
+        text = _KEYS[text.lower()]
+    return Command(verb, target.ref if target else None, text)
+
+
+def _close_at_exit(ref: weakref.ref[MiniWoB]) -> None:
+    env = ref()
+    if env is not None:
+        env.close()
+
+
+class MiniWoB(Environment):
+    name = "miniwob"
+
+    def __init__(self, *, step_timeout_s: float = 10.0, episode_time_limit_s: float | None = None,
+                 wait_s: float = 0.5):
+        """step_timeout_s: a step (or reset) taking longer fails and restarts the browser; episode_time_limit_s:
+        replaces MiniWoB's wall-clock episode limit (10-30 s); wait_s: how long the `wait` action sleeps."""
+        self.step_timeout_s = step_timeout_s
+        self.episode_time_limit_s = episode_time_limit_s
+        self.wait_s = wait_s
+        self._gym: _Gym | None = None
+        self._utterance = ""
+        self._elements: list[Element] = []
+        self._state = ""
+        self._done = True
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
+
+    # -- Environment ------------------------------------------------------------------------------------------------
+
+    def reset(self, task: Task) -> Observation:
+        name, seed = _task_key(task)
+        for attempt in range(2):  # a crashed or hung browser gets one fresh restart
+            try:
+                gym = self._browser(name)
+                observation = _call(lambda: self._start_episode(gym, seed), RESET_TIMEOUT_S)
+                break
+            except Exception:
+                self._drop_browser(polite=False)
+                if attempt:
+                    raise
+        self._done = False
+        self._observe(observation)
+        return Observation(self._state)
+
+    def step(self, action: str) -> StepResult:
+        if self._gym is None and not self._state:
+            raise RuntimeError("call reset() before step()")
+        if self._done:
+            return self._failed_step("the episode is over; call reset()", done=True)
+        try:
+            command = parse_action(action, self._elements)
+        except ActionError as error:
+            return self._failed_step(str(error), done=False)
+        try:
+            observation, metadata = _call(lambda: self._execute(command), self.step_timeout_s)
+        except StepTimeout as error:
+            self._drop_browser(polite=False)
+            return self._end(False, {"timeout": True, "error": f"step timed out: {error}"})
+        except Exception as error:  # the browser crashed or refused: the episode cannot go on
+            self._drop_browser(polite=False)
+            return self._end(False, {"error": f"browser error: {type(error).__name__}: {str(error)[:200]}"})
+        if metadata["done"]:
+            raw = float(metadata["raw_reward"])
+            return self._end(raw > 0, {"raw_reward": raw})
+        self._observe(observation)
+        return StepResult(Observation(self._state), 0.0, False, {"valid_action": True})
+
+    def close(self) -> None:
+        self._drop_browser()
+        if getattr(self, "_at_exit", None) is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # interpreter shutdown: modules may already be gone; atexit has closed it then
+
+    # -- internals --------------------------------------------------------------------------------------------------
+
+    def _start_episode(self, gym: _Gym, seed: int) -> dict[str, Any]:
+        if self.episode_time_limit_s is not None:  # read by the page when the episode starts
+            gym.instance.driver.execute_script(f"core.EPISODE_MAX_TIME = {int(self.episode_time_limit_s * 1000)};")
+        return gym.reset(seed=seed)[0]
+
+    def _browser(self, name: str) -> _Gym:
+        if self._gym is not None and self._gym.instance.died:
+            self._drop_browser()
+        if self._gym is None:
+            browser = _Browser(name)
+            try:
+                self._gym = _Gym(browser)
+            except BaseException:  # Ctrl-C or a failed start: chromedriver runs in its own session, kill it
+                browser.close()
+                raise
+        elif self._gym.instance.task_name != name:
+            instance = self._gym.instance
+            _call(lambda: instance.load(name), RESET_TIMEOUT_S)
+        return self._gym
+
+    def _drop_browser(self, polite: bool = True) -> None:
+        gym, self._gym = getattr(self, "_gym", None), None
+        if gym is not None and getattr(gym, "instance", None) is not None:
+            gym.instance.close(polite)
+
+    def _execute(self, command: Command) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run a command as miniwob actions; all but the last skip the observation (a DOM read is ~20 ms)."""
+        gym = self._gym
+        assert gym is not None
+
+        def key(name: str) -> Action:
+            return gym.create_action(ActionTypes.PRESS_KEY, key=gym.action_space_config.allowed_keys.index(name))
+
+        actions: list[Action]
+        if command.verb == "click":
+            actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=command.ref)]
+        elif command.verb in ("type", "clear"):
+            typing = (gym.create_action(ActionTypes.TYPE_TEXT, text=command.text) if command.text
+                      else key("<Backspace>"))
+            actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=command.ref), key("C-a"), typing]
+        elif command.verb == "press":
+            if command.ref is not None:
+                gym.instance.driver.execute_script(f"core.previousDOMInfo[{command.ref}].focus();")
+            actions = [key(command.text)]
+        else:  # wait
+            time.sleep(self.wait_s)
+            actions = [gym.create_action(ActionTypes.NONE)]
+        for action in actions[:-1]:
+            gym.instance.perform(action, gym.action_space_config)
+        observation, _, _, _, info = gym.step(actions[-1])
+        return observation, info
+
+    def _observe(self, observation: dict[str, Any]) -> None:
+        self._utterance = observation["utterance"] or self._utterance
+        self._elements = _elements_from_dom(observation["dom_elements"])
+        self._state = render_state(self._utterance, self._elements)
+
+    def _failed_step(self, error: str, *, done: bool) -> StepResult:
+        state = self._state + f"\nError: {error}"
+        return StepResult(Observation(state), 0.0, done, {"valid_action": False, "error": error})
+
+    def _end(self, success: bool, info: dict[str, Any]) -> StepResult:
+        self._done = True
+        self._elements = []
+        self._state = f"Task: {self._utterance}\nEpisode over: {'success' if success else 'failure'}."
+        if "error" in info:
+            self._state += f"\nError: {info['error']}"
+        info = {"valid_action": True, "success": success, "truncated": False, **info}
+        return StepResult(Observation(self._state), 1.0 if success else 0.0, True, info)
+
+
+def _task_key(task: Task) -> tuple[str, int]:
+    if task.environment != MiniWoB.name:
+        raise ValueError(f"task {task.task_id} is for {task.environment!r}, not {MiniWoB.name!r}")
+    name = str(task.parameters["task"])
+    if name.startswith("flight.") or not (HTML_DIR / "miniwob" / f"{name}.html").exists():
+        raise ValueError(f"unknown or unsupported MiniWoB task {name!r} (flight.* tasks need an http server)")
+    return name, int(task.parameters["seed"])
+
+
+# -- tasks ---------------------------------------------------------------------------------------------------------
+
+def make_tasks(split: Split, count: int, *, seed: int, task_names: Sequence[str] | None = None,
+               env: MiniWoB | None = None) -> list[Task]:
+    """`count` tasks cycling over `task_names` (default TASKS), episode seeds drawn without repeats from the split's
+    own range (train and held-out never share a page). Deterministic in its arguments. Reads each utterance with a
+    reset, in `env` if given, else in a browser of its own."""
+    names = tuple(task_names or TASKS)
+    low, high = SEED_RANGES[split]
+    episode_seeds = random.Random(f"miniwob/{split}/{seed}").sample(range(low, high), count)
+    keys = [(names[index % len(names)], episode_seed) for index, episode_seed in enumerate(episode_seeds)]
+    runner = env or MiniWoB()
+    try:
+        utterances = {}
+        for name, episode_seed in sorted(keys):  # grouped by task: one page load per task
+            state = runner.reset(_task(name, episode_seed, "")).state
+            utterances[name, episode_seed] = parse_state(state)[0]
+    finally:
+        if env is None:
+            runner.close()
+    return [_task(name, episode_seed, utterances[name, episode_seed]) for name, episode_seed in keys]
+
+
+def _task(name: str, episode_seed: int, instruction: str) -> Task:
+    return Task(f"miniwob-{name}-s{episode_seed}", MiniWoB.name, instruction, {"task": name, "seed": episode_seed})
+
+
+# -- policies ------------------------------------------------------------------------------------------------------
+# Policies read only the task name, the rendered state and the history, as an LLM agent would; the expert also uses
+# miniwob's field extractor on the utterance (the `obs["fields"]` of the gym env).
+
+History = Sequence[tuple[str, str]]
+Solver = Callable[[dict[str, str], list[Element], History], str]
+
+
+def expert_policy() -> Policy:
+    """Scripted solvers for TASKS (raises KeyError for other tasks)."""
+
+    def act(task: Task, observation: Observation, history: History) -> str:
+        name = str(task.parameters["task"])
+        utterance, elements = parse_state(observation.state)
+        fields = dict(get_field_extractor(name)(utterance))
+        return SOLVERS[name](fields, elements, history)
+
+    return act
+
+
+def random_policy(rng: random.Random) -> Policy:
+    """Click a random element, or type a random word into a random text field."""
+
+    def act(task: Task, observation: Observation, history: History) -> str:
+        targets = [e for e in parse_state(observation.state)[1] if e.ref is not None]
+        if not targets:
+            return "wait"
+        element = rng.choice(targets)
+        if element.tag in TEXT_INPUTS and rng.random() < 0.5:
+            word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+            return f"type [{element.ref}] {_quote(word)}"
+        return f"click [{element.ref}]"
+
+    return act
+
+
+def _find(elements: Sequence[Element], *, tag: str | None = None, id: str | None = None, cls: str | None = None,
+          text: str | None = None) -> list[Element]:
+    return [e for e in elements if e.ref is not None and (tag is None or e.tag == tag) and (id is None or e.id == id)
+            and (cls is None or e.cls == cls) and (text is None or e.text == text)]
+
+
+def _click(element: Element) -> str:
+    return f"click [{element.ref}]"
+
+
+def _type(element: Element, text: str) -> str:
+    return f"type [{element.ref}] {_quote(text)}"
+
+
+def _clicked_texts(history: History) -> list[str]:
+    """Texts of the elements clicked so far, oldest first (a solver's memory of tabs and pages visited)."""
+    texts = []
+    for state, action in history:
+        if match := re.fullmatch(r"click \[(\d+)\]", action.strip()):
+            texts += [e.text for e in parse_state(state)[1] if e.ref == int(match[1])]
+    return texts
+
+
+def _fill_then_click(pairs: Sequence[tuple[Element, str]], button: Element) -> str:
+    for field, text in pairs:
+        if field.value != text:
+            return _type(field, text)
+    return _click(button)
+
+
+def _click_button(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    return _click(_find(elements, tag="button", text=fields["target"])[0])
+
+
+def _click_link(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    return _click(_find(elements, cls="alink", text=fields["target"])[0])
+
+
+def _enter_text(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    return _fill_then_click([(_find(elements, tag="input_text")[0], fields["target"])],
+                            _find(elements, tag="button")[0])
+
+
+def _enter_password(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    return _fill_then_click([(box, fields["target"]) for box in _find(elements, tag="input_password")],
+                            _find(elements, tag="button")[0])
+
+
+def _login_user(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    return _fill_then_click([(_find(elements, id="username")[0], fields["username"]),
+                             (_find(elements, id="password")[0], fields["password"])],
+                            _find(elements, tag="button")[0])
+
+
+def _click_checkboxes(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    wanted = {value for key, value in fields.items() if key.startswith("target")}
+    for index, box in enumerate(elements):
+        if box.tag == "input_checkbox":
+            label = next((e.text for e in elements[index + 1:] if e.ref is None), "")  # the text after the box
+            if box.checked != (label in wanted):
+                return _click(box)
+    return _click(_find(elements, tag="button")[0])
+
+
+def _click_tab_2(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    if links := _find(elements, cls="alink", text=fields["target"]):
+        return _click(links[0])
+    tabs = _find(elements, cls="ui-tabs-anchor")
+    seen = set(_clicked_texts(history)) | ({tabs[0].text} if tabs else set())  # the first tab shows at the start
+    unseen = [tab for tab in tabs if tab.text not in seen]
+    return _click((unseen or tabs)[0])
+
+
+def _use_autocomplete(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    start, end = fields["start"], fields.get("end", "")
+    box = _find(elements, id="tags")[0]
+    value = box.value or ""
+    if value.startswith(start) and value.endswith(end):
+        return _click(_find(elements, tag="button")[0])
+    for item in _find(elements, cls="ui-menu-item-wrapper"):
+        if item.text.startswith(start) and item.text.endswith(end):
+            return _click(item)
+    return "wait" if value == start else _type(box, start)  # the menu can lag behind the typing
+
+
+def _search_engine(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    box, rank = _find(elements, id="search-text")[0], int(fields["rank"])
+    results = _find(elements, cls="search-title")
+    if box.value != fields["query"]:
+        return _type(box, fields["query"])
+    if not results:
+        return _click(_find(elements, id="search")[0])
+    pages = [text for text in _clicked_texts(history) if text.isdigit()]
+    page, wanted = int(pages[-1]) if pages else 1, (rank - 1) // 3 + 1  # three results a page; search shows page 1
+    if page != wanted:
+        return _click(_find(elements, cls="page-link", text=str(wanted))[0])
+    return _click(results[(rank - 1) % 3])
+
+
+def _email_inbox(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    task, sender = fields["task"], fields["by"]
+    if task in ("delete", "star"):
+        icon = "trash" if task == "delete" else "star"
+        index = elements.index(_find(elements, cls="email-sender", text=sender)[0])
+        return _click(_find(elements[index:], cls=icon)[0])  # the icons follow their email's sender line
+    answer, send, text = (("reply-text", "send-reply", fields["message"]) if task == "reply"
+                          else ("forward-sender", "send-forward", fields["to"]))
+    if boxes := _find(elements, id=answer) or _find(elements, cls=answer):
+        return _fill_then_click([(boxes[0], text)], _find(elements, id=send)[0])
+    if buttons := _find(elements, text=task.capitalize()):
+        return _click(buttons[0])
+    return _click(_find(elements, cls="email-sender", text=sender)[0])
+
+
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December")
+
+
+def _book_flight(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    if prices := _find(elements, cls="flight-price"):  # results: "3h 5m" then "Book flight for $123" per flight
+        durations = [_minutes(e.text) for e in _find(elements, cls="time-duration")]
+        costs = [int(e.text.rsplit("$", 1)[1]) for e in prices]
+        score = costs if fields["criterion"] == "cheapest" else durations
+        return _click(prices[score.index(min(score))])
+    for box_id, place in (("flight-from", fields["from"]), ("flight-to", fields["to"])):
+        box = _find(elements, id=box_id)[0]
+        if place in (box.value or "") and (box.value or "").endswith(")"):
+            continue  # a full airport name, as the autocomplete menu writes it
+        items = [e for e in _find(elements, cls="ui-menu-item-wrapper") if place in e.text]
+        if items and box.focused:
+            return _click(items[0])
+        return "wait" if box.focused and box.value == place else _type(box, place)
+    date = _find(elements, id="datepicker")[0]
+    if date.value != fields["date"]:
+        month, day, year = (int(part) for part in fields["date"].split("/"))
+        shown = _find(elements, cls="ui-datepicker-month")
+        if not shown:
+            return _click(date)
+        shown_year = int(_find(elements, cls="ui-datepicker-year")[0].text)
+        offset = (year * 12 + month) - (shown_year * 12 + _MONTHS.index(shown[0].text) + 1)
+        if offset:
+            return _click(_find(elements, text="Next" if offset > 0 else "Prev")[0])
+        return _click(_find(elements, cls="ui-state-default", text=str(day))[0])
+    return _click(_find(elements, id="search")[0])
+
+
+def _minutes(text: str) -> int:
+    hours, minutes = re.findall(r"\d+", text)[:2]
+    return int(hours) * 60 + int(minutes)
+
+
+SOLVERS: dict[str, Solver] = {
+    "click-button": _click_button, "click-link": _click_link, "enter-text": _enter_text,
+    "enter-password": _enter_password, "login-user": _login_user, "click-checkboxes": _click_checkboxes,
+    "click-tab-2": _click_tab_2, "use-autocomplete-nodelay": _use_autocomplete, "search-engine": _search_engine,
+    "email-inbox": _email_inbox, "book-flight-nodelay": _book_flight,
+}

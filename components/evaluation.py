@@ -1,0 +1,230 @@
+"""Evaluate any policy on held-out tasks of a real environment: success with a Wilson interval, return, steps.
+
+Generic on purpose: the scripted baselines here and, later, trained LLM policies go through `evaluate_policy`.
+Environments are stepped in parallel threads, one environment per thread; that is real parallelism because the
+engines (TextWorld child processes, Chromium) do the work outside the interpreter.
+"""
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+from components.config import EnvironmentsParams, Params
+from components.contract import SOURCES, Task, Trajectory
+from components.environments.base import Environment, Observation, Policy
+from components.environments.registry import RealEnvironment, has_adapter, real_environment
+from components.environments.rollout import run_episode
+from components.reports import markdown_table
+
+PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
+
+
+def wilson_interval(successes: int, n: int, confidence: float) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion; (0, 1) when there is no episode at all.
+
+    Wilson rather than the normal approximation: it stays inside [0, 1] and is not degenerate at 0/n or n/n,
+    which is exactly where expert and random baselines sit.
+    """
+    if not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n, got {successes}/{n}")
+    if n == 0:
+        return 0.0, 1.0
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / n
+    denominator = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    # exact bounds at the edges (the formula gives them up to rounding)
+    low = 0.0 if successes == 0 else max(0.0, center - half)
+    high = 1.0 if successes == n else min(1.0, center + half)
+    return low, high
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    environment: str
+    policy: str
+    episodes: int
+    successes: int
+    success_rate: float
+    success_ci_low: float
+    success_ci_high: float
+    mean_return: float
+    mean_steps: float
+    wall_s: float
+    trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # in task order
+
+    def metrics(self) -> dict[str, float | int]:
+        """The numbers for DVC metrics (no trajectories, no names: those are the keys around it)."""
+        return {"episodes": self.episodes, "successes": self.successes, "success_rate": self.success_rate,
+                "success_ci_low": self.success_ci_low, "success_ci_high": self.success_ci_high,
+                "mean_return": self.mean_return, "mean_steps": self.mean_steps, "wall_s": round(self.wall_s, 2)}
+
+
+def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task],
+                    make_policy: Callable[[Environment], Policy], *, workers: int, confidence: float, name: str,
+                    progress: Callable[[str], None] | None = print) -> EvaluationResult:
+    """Play every task once with a fresh policy from `make_policy(env)`, `workers` environments in parallel.
+
+    Each worker thread opens its own environment and takes the next unplayed task until none is left; results
+    are stored by task index, so the output order never depends on timing. The first error (in a policy or an
+    environment) stops the other workers and is raised; every environment is closed on every path.
+    """
+    max_steps = kind.max_steps(env_params)
+    source = name if name in SOURCES else "policy"
+    trajectories: list[Trajectory | None] = [None] * len(tasks)
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    environments: list[Environment] = []
+    state = {"next": 0, "done": 0, "successes": 0, "printed": -math.inf}
+    started = time.monotonic()
+
+    def report() -> None:  # called with the lock held
+        done, now = state["done"], time.monotonic()
+        if progress is None or not (done in (1, len(tasks)) or now - state["printed"] >= PROGRESS_EVERY_S):
+            return
+        state["printed"] = now
+        elapsed = now - started
+        eta = elapsed / done * (len(tasks) - done)
+        progress(f"[evaluate {kind.name} / {name}] {done}/{len(tasks)} episodes, "
+                 f"success {state['successes'] / done:.2f}, elapsed {elapsed:.0f} s, ETA {eta:.0f} s")
+
+    def work() -> None:
+        env: Environment | None = None
+        try:
+            env = kind.open(env_params)
+            with lock:
+                environments.append(env)
+            while not stop.is_set():
+                with lock:
+                    index = state["next"]
+                    state["next"] += 1
+                if index >= len(tasks):
+                    return
+                trajectory = run_episode(env, tasks[index], make_policy(env), max_steps=max_steps,
+                                         trajectory_id=f"eval-{name}-{index:05d}-{tasks[index].task_id}",
+                                         source=source)
+                with lock:
+                    trajectories[index] = trajectory
+                    state["done"] += 1
+                    state["successes"] += trajectory.success
+                    report()
+        except BaseException as error:  # noqa: BLE001 - handed to the calling thread, which raises it
+            with lock:
+                errors.append(error)
+            stop.set()
+        finally:
+            if env is not None:
+                env.close()
+
+    # daemon: a second Ctrl-C while we wait below must still let the interpreter exit (atexit closes engines)
+    threads = [threading.Thread(target=work, name=f"evaluate-{index}", daemon=True)
+               for index in range(max(0, min(workers, len(tasks))))]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)  # short joins keep Ctrl-C responsive in the calling thread
+    except BaseException:
+        stop.set()
+        with lock:
+            opened = list(environments)
+        for env in opened:  # cut running episodes short: their engines die, their steps fail, the workers stop
+            env.close()
+        for thread in threads:
+            thread.join()
+        raise
+    if errors:
+        raise errors[0]
+    return summarize(kind.name, name, [t for t in trajectories if t is not None], confidence,
+                     time.monotonic() - started)
+
+
+def summarize(environment: str, policy: str, trajectories: list[Trajectory], confidence: float,
+              wall_s: float) -> EvaluationResult:
+    n = len(trajectories)
+    successes = sum(t.success for t in trajectories)
+    low, high = wilson_interval(successes, n, confidence)
+    return EvaluationResult(
+        environment=environment, policy=policy, episodes=n, successes=successes,
+        success_rate=successes / n if n else 0.0, success_ci_low=low, success_ci_high=high,
+        mean_return=sum(t.return_ for t in trajectories) / n if n else 0.0,
+        mean_steps=sum(len(t.steps) for t in trajectories) / n if n else 0.0,
+        wall_s=wall_s, trajectories=trajectories)
+
+
+def seeded_random(kind: RealEnvironment, seed: int) -> Callable[[Environment], Policy]:
+    """The random baseline, its generator seeded by (seed, task id) at the episode's first step.
+
+    Seeding per task rather than per worker makes every random episode reproducible whichever worker plays it.
+    """
+    def make(env: Environment) -> Policy:
+        inner: Policy | None = None
+
+        def act(task: Task, observation: Observation, history) -> str:
+            nonlocal inner
+            if inner is None:
+                inner = kind.random(env, random.Random(f"{seed}:{task.task_id}"))
+            return inner(task, observation, history)
+        return act
+    return make
+
+
+def evaluate_baselines(params: Params, progress: Callable[[str], None] | None = print) -> tuple[dict[str, Any], str]:
+    """Expert and random policies on the held-out tasks of every configured environment that has an adapter.
+
+    Returns the metrics `{environment: {policy: metrics}, "skipped": [names]}` and a markdown report.
+    """
+    settings = params.evaluate
+    metrics: dict[str, Any] = {}
+    results: list[EvaluationResult] = []
+    skipped = [name for name in settings.environments if not has_adapter(name)]
+    for name in skipped:
+        if progress is not None:
+            progress(f"[evaluate] skipping {name}: no real-environment adapter (a seed-only domain)")
+    for name in (n for n in settings.environments if has_adapter(n)):
+        kind = real_environment(name)
+        tasks = kind.make_tasks(params.environments, "heldout", settings.heldout_tasks, params.seed)
+        for policy, make_policy in (("expert", kind.expert), ("random", seeded_random(kind, params.seed))):
+            result = evaluate_policy(kind, params.environments, tasks, make_policy, workers=settings.workers,
+                                     confidence=settings.confidence, name=policy, progress=progress)
+            results.append(result)
+            metrics.setdefault(name, {})[policy] = result.metrics()
+    metrics["skipped"] = skipped
+    return metrics, baseline_report(results, skipped, settings.confidence, settings.heldout_tasks)
+
+
+def format_success(result: EvaluationResult) -> str:
+    """`0.95 [0.86, 0.99]`: the success rate and its confidence interval."""
+    return f"{result.success_rate:.2f} [{result.success_ci_low:.2f}, {result.success_ci_high:.2f}]"
+
+
+def results_table(results: list[EvaluationResult], confidence: float) -> str:
+    header = ["environment", "policy", "episodes", f"success [{confidence:.0%} CI]", "mean return", "mean steps",
+              "wall time (s)"]
+    rows = [[r.environment, r.policy, r.episodes, format_success(r), f"{r.mean_return:.3f}", f"{r.mean_steps:.1f}",
+             f"{r.wall_s:.1f}"] for r in results]
+    return markdown_table(header, rows)
+
+
+def baseline_report(results: list[EvaluationResult], skipped: list[str], confidence: float,
+                    heldout_tasks: int) -> str:
+    lines = ["# Evaluation: baselines on held-out tasks", "", results_table(results, confidence),
+             f"Methods: each policy plays every held-out task once ({heldout_tasks} tasks per environment, drawn "
+             "from a seed range disjoint from the training tasks). Success is the environment's own outcome "
+             "(game won, web task completed); the interval is the Wilson score interval at "
+             f"{confidence:.0%} confidence. Return is the sum of step rewards (1.0 on success, else 0); steps "
+             "count actions up to success, failure or the step cap. The expert replays a walkthrough (TextWorld) "
+             "or a scripted solver (MiniWoB); the random policy picks uniformly among valid actions (TextWorld) "
+             "or page elements (MiniWoB), seeded by the run seed and the task id.", ""]
+    if skipped:
+        lines += [f"Skipped (no real-environment adapter; seed-only domains): {', '.join(skipped)}.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""Evaluation harness on real held-out tasks: Wilson intervals, parallel evaluation, baselines, cleanup."""
+from __future__ import annotations
+
+import _thread
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from components.config import load_params
+from components.evaluation import (
+    EvaluationResult, evaluate_baselines, evaluate_policy, seeded_random, wilson_interval,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+# The repository's own game cache: games are deterministic in their parameters, so tests share them.
+TW_CACHE = {"environments.textworld.cache_dir": str(REPO / ".cache" / "textworld")}
+
+
+def engine_children() -> list[psutil.Process]:
+    """Child processes of this test process that belong to an environment (TextWorld engine or browser)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if any(mark in command for mark in ("textworld_cooking", "chromedriver", "dreamgym-miniwob-", "chromium")):
+            found.append(child)
+    return found
+
+
+def check_result(result: EvaluationResult, tasks: list) -> None:
+    assert result.episodes == len(tasks) == len(result.trajectories)
+    assert [t.task for t in result.trajectories] == tasks  # task order, whatever the worker timing
+    assert result.successes == sum(t.success for t in result.trajectories)
+    assert 0 <= result.success_ci_low <= result.success_rate <= result.success_ci_high <= 1
+    metrics = result.metrics()
+    assert "trajectories" not in metrics
+    json.dumps(metrics)
+    assert all(0 <= value <= 1 for key, value in metrics.items() if "success" in key and key != "successes")
+
+
+# -- Wilson interval --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("successes", "n", "low", "high"), [
+    (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634), (81, 263, 0.2553, 0.3662),
+])
+def test_wilson_interval_known_values(successes: int, n: int, low: float, high: float) -> None:
+    assert wilson_interval(successes, n, 0.95) == pytest.approx((low, high), abs=1e-4)
+
+
+def test_wilson_interval_edges() -> None:
+    assert wilson_interval(0, 0, 0.95) == (0.0, 1.0)
+    narrow, wide = wilson_interval(5, 10, 0.80), wilson_interval(5, 10, 0.99)
+    assert wide[0] < narrow[0] < 0.5 < narrow[1] < wide[1]
+    with pytest.raises(ValueError):
+        wilson_interval(11, 10, 0.95)
+
+
+# -- TextWorld --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def textworld():
+    pytest.importorskip("textworld")
+    from components.environments.registry import real_environment
+
+    params = load_params(REPO / "params.yaml", TW_CACHE)
+    kind = real_environment("textworld-cooking")
+    tasks = kind.make_tasks(params.environments, "heldout", 4, params.seed)
+    return kind, params, tasks
+
+
+def test_textworld_expert_wins_every_task_in_parallel(textworld) -> None:
+    kind, params, tasks = textworld
+    lines: list[str] = []
+    result = evaluate_policy(kind, params.environments, tasks, kind.expert, workers=2, confidence=0.95,
+                             name="expert", progress=lines.append)
+    check_result(result, tasks)
+    assert result.success_rate == 1.0 and result.mean_return == 1.0
+    assert result.success_ci_high == 1.0 and result.success_ci_low > 0.3
+    assert all(t.source == "expert" for t in result.trajectories)
+    assert len({t.trajectory_id for t in result.trajectories}) == len(tasks)
+    assert lines and "4/4 episodes" in lines[-1] and "success 1.00" in lines[-1] and "ETA" in lines[-1]
+    assert not engine_children()
+
+
+def test_textworld_random_is_poor_and_reproducible(textworld) -> None:
+    kind, params, tasks = textworld
+    runs = [evaluate_policy(kind, params.environments, tasks, seeded_random(kind, params.seed), workers=workers,
+                            confidence=0.95, name="random", progress=None) for workers in (2, 1)]
+    for result in runs:
+        check_result(result, tasks)
+        assert result.success_rate <= 0.25
+        assert result.mean_steps > 5
+    # the same actions whichever worker played which task
+    assert [[s.action for s in t.steps] for t in runs[0].trajectories] == \
+           [[s.action for s in t.steps] for t in runs[1].trajectories]
+    assert not engine_children()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failing_policy_propagates_and_closes_every_engine(textworld, error: type[BaseException]) -> None:
+    kind, params, tasks = textworld
+
+    def make_policy(env):
+        def act(task, observation, history):
+            if len(history) == 2:
+                raise error("policy broke")
+            return (observation.valid_actions or ("look",))[0]
+        return act
+
+    with pytest.raises(error, match="policy broke"):
+        evaluate_policy(kind, params.environments, tasks, make_policy, workers=2, confidence=0.95, name="broken",
+                        progress=None)
+    assert not engine_children()
+
+
+def test_ctrl_c_in_the_caller_stops_the_workers_and_closes_every_engine(textworld) -> None:
+    kind, params, tasks = textworld
+
+    def make_policy(env):
+        def act(task, observation, history):
+            time.sleep(0.05)  # slow enough that Ctrl-C lands while episodes are still running
+            return (observation.valid_actions or ("look",))[0]
+        return act
+
+    def interrupt_after_first_episode(line: str) -> None:
+        _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the calling thread
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_policy(kind, params.environments, tasks * 3, make_policy, workers=2, confidence=0.95,
+                        name="slow", progress=interrupt_after_first_episode)
+    assert time.monotonic() - started < 30  # 12 episodes of 50 slow steps would take longer
+    assert not engine_children()
+
+
+def test_evaluate_baselines_metrics_and_report_with_a_skipped_domain() -> None:
+    pytest.importorskip("textworld")
+    params = load_params(REPO / "params.yaml", {**TW_CACHE, "evaluate.heldout_tasks": 2,
+                                                "evaluate.environments": ["textworld-cooking", "webshop"]})
+    messages: list[str] = []
+    metrics, report = evaluate_baselines(params, progress=messages.append)
+    assert metrics["skipped"] == ["webshop"]
+    assert set(metrics) == {"textworld-cooking", "skipped"}
+    expert, random_ = metrics["textworld-cooking"]["expert"], metrics["textworld-cooking"]["random"]
+    assert expert["episodes"] == random_["episodes"] == 2
+    assert expert["success_rate"] == 1.0 and random_["success_rate"] <= 0.5
+    json.dumps(metrics)
+    assert any("webshop" in message and "no real-environment adapter" in message for message in messages)
+    assert "| textworld-cooking | expert | 2 | 1.00 [0.34, 1.00] |" in report
+    assert "Wilson" in report and "95%" in report and "webshop" in report
+    assert not engine_children()
+
+
+# -- MiniWoB ----------------------------------------------------------------------------------------------------------
+
+def test_miniwob_expert_and_random() -> None:
+    pytest.importorskip("miniwob")
+    from components.environments.registry import real_environment
+
+    params = load_params(REPO / "params.yaml")
+    kind = real_environment("miniwob")
+    tasks = kind.make_tasks(params.environments, "heldout", 3, params.seed)
+    expert = evaluate_policy(kind, params.environments, tasks, kind.expert, workers=2, confidence=0.95,
+                             name="expert", progress=None)
+    check_result(expert, tasks)
+    assert expert.success_rate == 1.0
+    random_ = evaluate_policy(kind, params.environments, tasks, seeded_random(kind, params.seed), workers=2,
+                              confidence=0.95, name="random", progress=None)
+    check_result(random_, tasks)
+    assert random_.success_rate < 1.0
+    assert all(t.source == "random" for t in random_.trajectories)
+    assert not engine_children()

@@ -1,0 +1,164 @@
+"""MiniWoB++ in headless Chromium: expert and random success, invalid actions, step timeout, browser cleanup.
+
+Needs the `miniwob` package and Debian `chromium` + `chromium-driver`; skipped without them. ~1 minute, at most two
+browsers at a time.
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("miniwob")
+psutil = pytest.importorskip("psutil")
+if not (Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exists()):
+    pytest.skip("needs Debian chromium and chromium-driver", allow_module_level=True)
+
+from components.contract import Task  # noqa: E402
+from components.environments.miniwob import (  # noqa: E402
+    SEED_RANGES, TASKS, MiniWoB, expert_policy, make_tasks, parse_state, random_policy, render_state)
+from components.environments.rollout import run_episode  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def env():
+    with MiniWoB() as environment:
+        yield environment
+
+
+def _task(name: str, seed: int) -> Task:
+    return Task(f"miniwob-{name}-s{seed}", "miniwob", "", {"task": name, "seed": seed})
+
+
+def _browser_pids() -> set[int]:
+    """Chromium and chromedriver processes under this pytest process."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.name().startswith("chrom")}
+
+
+def _running(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_expert_wins_heldout_tasks(env):
+    tasks = make_tasks("heldout", 2 * len(TASKS), seed=7, env=env)
+    assert {t.parameters["task"] for t in tasks} == set(TASKS)
+    trajectories = [run_episode(env, t, expert_policy(), max_steps=20, trajectory_id=t.task_id, source="expert")
+                    for t in tasks]
+    wins = [t.success for t in trajectories]
+    assert sum(wins) / len(wins) >= 0.95, [t.task.task_id for t in trajectories if not t.success]
+    multi_step = [t for t in trajectories if len(t.steps) >= 3]
+    assert len({t.task.parameters["task"] for t in multi_step}) >= 5
+    for trajectory in trajectories:
+        last = trajectory.steps[-1]
+        assert last.done and all(not s.done for s in trajectory.steps[:-1])
+        assert trajectory.return_ == (1.0 if trajectory.success else 0.0)
+        assert all(a.next_state == b.state for a, b in zip(trajectory.steps, trajectory.steps[1:]))
+        assert trajectory.steps[0].state.startswith(f"Task: {trajectory.task.instruction}\n")
+
+
+def test_random_policy_rarely_wins(env):
+    tasks = make_tasks("heldout", len(TASKS), seed=8, env=env)
+    policy = random_policy(random.Random(0))
+    wins = {t.parameters["task"]: run_episode(env, t, policy, max_steps=8, trajectory_id=t.task_id,
+                                              source="random").success for t in tasks}
+    # A lucky first click can win click-button, click-link, or click-checkboxes when nothing is to be checked;
+    # tasks that need the right text typed are out of reach.
+    assert sum(wins.values()) <= 3, wins
+    typing = ("enter-text", "enter-password", "login-user", "use-autocomplete-nodelay", "search-engine",
+              "book-flight-nodelay")
+    assert not any(wins[name] for name in typing), wins
+
+
+def test_state_is_compact_text_that_round_trips(env):
+    state = env.reset(_task("login-user", 5)).state
+    assert "<" not in state and state.startswith("Task: Enter the username")
+    utterance, elements = parse_state(state)
+    assert render_state(utterance, elements) == state
+    assert any(e.tag == "input_password" and e.value == "" for e in elements)
+
+
+def test_invalid_actions_fail_softly(env):
+    state = env.reset(_task("enter-text", 3)).state
+    _, elements = parse_state(state)
+    button = next(e for e in elements if e.tag == "button")
+    bad = ["", "jump", "click", "click [99999]", f'type [{button.ref}] "x"', 'press "NoSuchKey"', "wait [2]",
+           'type [3 "unclosed']
+    for action in bad:
+        result = env.step(action)
+        assert result.info["valid_action"] is False and result.info["error"], action
+        assert result.reward == 0.0 and not result.done, action
+        assert result.observation.state.startswith(state + "\nError: "), action
+    # The episode goes on: the expert still wins it.
+    task = _task("enter-text", 3)
+    observation, history = env.reset(task), []
+    for _ in range(5):
+        action = expert_policy()(task, observation, history)
+        result = env.step(action)
+        history.append((observation.state, action))
+        observation = result.observation
+        if result.done:
+            break
+    assert result.done and result.info["success"] and result.reward == 1.0
+    after = env.step("click [1]")  # stepping a finished episode is a failure observation too
+    assert after.done and after.info["valid_action"] is False
+
+
+def test_make_tasks_is_deterministic_with_disjoint_splits(env):
+    first = make_tasks("train", 3, seed=1, task_names=["click-button"], env=env)
+    assert first == make_tasks("train", 3, seed=1, task_names=["click-button"], env=env)
+    heldout = make_tasks("heldout", 3, seed=1, task_names=["click-button"], env=env)
+    low, high = SEED_RANGES["train"]
+    assert all(low <= t.parameters["seed"] < high for t in first)
+    low, high = SEED_RANGES["heldout"]
+    assert all(low <= t.parameters["seed"] < high for t in heldout)
+    assert all(t.instruction.startswith("Click on the") and t.environment == "miniwob" for t in first + heldout)
+
+
+def test_hung_browser_step_times_out_and_env_recovers():
+    before = _browser_pids()  # the module's browser, when it runs
+    with MiniWoB(step_timeout_s=2.0) as env:
+        task = _task("click-button", 11)
+        state = env.reset(task).state
+        pids = _browser_pids() - before
+        # Wedge the page's renderer in an endless loop: a truly hung browser, not a mocked one. The loop starts a
+        # moment later so that this call itself returns.
+        env._gym.instance.driver.execute_script("setTimeout(() => { for (;;) {} }, 300);")
+        time.sleep(0.5)
+        ref = next(e.ref for e in parse_state(state)[1] if e.ref is not None)
+        start = time.monotonic()
+        result = env.step(f"click [{ref}]")
+        assert time.monotonic() - start < 10
+        assert result.done and result.reward == 0.0 and result.info["timeout"] and not result.info["success"]
+        assert "Episode over: failure" in result.observation.state
+        time.sleep(0.5)
+        assert not _running(pids), "the hung browser was not killed"
+        trajectory = run_episode(env, task, expert_policy(), max_steps=3, trajectory_id="t", source="expert")
+        assert trajectory.success  # the next reset started a fresh browser
+
+
+def test_browser_is_gone_after_an_exception_mid_episode():
+    before = _browser_pids()
+    with pytest.raises(RuntimeError, match="boom"):
+        with MiniWoB() as env:
+            env.reset(_task("login-user", 2))
+            env.step('type [7] "someone"')
+            ours = _browser_pids() - before
+            assert ours, "no browser processes found"
+            raise RuntimeError("boom")
+    assert not _running(ours)
+    env.close()  # safe twice
+    # Without close(): dropping the last reference quits the browser too.
+    leaked = MiniWoB()
+    leaked.reset(_task("click-button", 2))
+    ours = _browser_pids() - before
+    del leaked
+    assert not _running(ours)

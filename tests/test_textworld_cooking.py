@@ -1,0 +1,180 @@
+"""TextWorld cooking adapter on a handful of real, small games (generating one costs a few seconds)."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("textworld")
+
+from components.contract import Trajectory  # noqa: E402
+from components.environments.rollout import run_episode  # noqa: E402
+from components.environments.textworld_cooking import (  # noqa: E402
+    ENVIRONMENT, SEED_RANGES, TextWorldCooking, _cache_root, _generate_game, cached_game, expert_policy, make_task,
+    make_tasks, noisy_expert_policy, random_policy,
+)
+
+HELDOUT = 6
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tw-cache")
+
+
+@pytest.fixture(scope="module")
+def heldout(cache: Path) -> list:
+    return make_tasks("heldout", HELDOUT, seed=0, cache_dir=cache, workers=2)
+
+
+@pytest.fixture(scope="module")
+def env(cache: Path):
+    with TextWorldCooking(cache) as environment:
+        yield environment
+
+
+def check_contract(trajectory: Trajectory) -> None:
+    steps = trajectory.steps
+    assert steps
+    for previous, step in zip(steps, steps[1:]):
+        assert step.state == previous.next_state
+    assert all(not step.done for step in steps[:-1])
+    assert trajectory.return_ == sum(step.reward for step in steps)
+    Trajectory.from_dict(trajectory.to_dict())  # round-trips through the record form
+
+
+def test_make_tasks_deterministic_cached_and_disjoint(cache: Path, heldout: list) -> None:
+    assert len(heldout) == HELDOUT
+    assert len({task.task_id for task in heldout}) == HELDOUT
+    for task in heldout:
+        assert task.environment == ENVIRONMENT
+        assert task.task_id == f"tw-cooking-r1-t1-g1-open-cook-cut-s{task.parameters['seed']}"
+        assert cached_game(task.parameters, cache) is not None
+    started = time.perf_counter()
+    assert make_tasks("heldout", HELDOUT, seed=0, cache_dir=cache) == heldout  # all cache hits: no engine
+    assert make_tasks("heldout", 3, seed=0, cache_dir=cache) == heldout[:3]
+    assert time.perf_counter() - started < 2.0
+    assert not [p for p in cache.rglob(".*")]  # no temporary leftovers
+
+    train = make_tasks("train", 1, seed=0, cache_dir=cache)
+    (train_low, train_high), (heldout_low, heldout_high) = SEED_RANGES["train"], SEED_RANGES["heldout"]
+    assert train_high <= heldout_low or heldout_high <= train_low  # disjoint ranges, so disjoint seeds
+    assert all(train_low <= task.parameters["seed"] < train_high for task in train)
+    assert all(heldout_low <= task.parameters["seed"] < heldout_high for task in heldout)
+
+
+def test_seeds_that_fail_to_generate_are_remembered_and_skipped(tmp_path: Path, cache: Path, heldout: list,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import textworld.challenges
+
+    def fail(settings: dict, options: object) -> None:
+        raise ValueError("high <= 0")  # what TextWorld raises for a seed with no valid layout
+
+    monkeypatch.setitem(textworld.challenges.CHALLENGES, "tw-cooking", ("", fail, None))
+    root = tmp_path / "cache"
+    assert _generate_game(heldout[0].parameters, str(_cache_root(root))) is False
+    assert not [p for p in root.rglob("*") if p.is_dir() and p.name.startswith("tw-")]  # no broken entry
+    # make_tasks skips the remembered failure and takes the next seeds (copied here: nothing to generate).
+    for task in heldout[1:]:
+        shutil.copytree(cached_game(task.parameters, cache).parent, _cache_root(root) / task.task_id)
+    assert make_tasks("heldout", HELDOUT - 1, seed=0, cache_dir=root) == heldout[1:]
+    with pytest.raises(ValueError, match="do not generate"):
+        TextWorldCooking(root).reset(heldout[0])
+
+
+def test_unknown_or_bad_difficulty_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        make_tasks("train", 1, seed=0, recipes=2)
+    with pytest.raises(ValueError, match="go"):
+        make_task(1, go=2)
+
+
+def test_same_parameters_same_game_in_another_cache(tmp_path: Path, env: TextWorldCooking, heldout: list) -> None:
+    task = heldout[0]
+    first = env.reset(task)
+    walkthrough = env.walkthrough
+    mtime = cached_game(task.parameters, env.cache_dir).stat().st_mtime_ns
+    with TextWorldCooking(tmp_path) as fresh:  # regenerates the game from its parameters alone
+        assert fresh.reset(task) == first
+        assert fresh.walkthrough == walkthrough
+    assert cached_game(task.parameters, env.cache_dir).stat().st_mtime_ns == mtime  # cache hit, not rewritten
+
+
+def test_expert_wins_and_trajectories_pass_the_contract(env: TextWorldCooking, heldout: list) -> None:
+    wins = 0
+    for task in heldout:
+        trajectory = run_episode(env, task, expert_policy(env), max_steps=60, trajectory_id=task.task_id,
+                                 source="expert")
+        check_contract(trajectory)
+        wins += trajectory.success
+        last = trajectory.steps[-1]
+        assert last.done and last.reward == (1.0 if trajectory.success else 0.0)
+        assert all(step.info["valid_action"] for step in trajectory.steps)
+        assert last.info["score"] == last.info["max_score"] > 0
+        # The recipe stays in the state once the cookbook has been read; the banner never shows.
+        read = next(i for i, step in enumerate(trajectory.steps) if step.action == "examine cookbook")
+        assert all("Recipe:\nIngredients:" in step.next_state for step in trajectory.steps[read:])
+        assert all("$$" not in step.state for step in trajectory.steps)
+    assert wins / len(heldout) >= 0.95
+
+
+def test_random_policy_rarely_wins(env: TextWorldCooking, heldout: list) -> None:
+    rng = random.Random(0)
+    trajectories = [run_episode(env, task, random_policy(rng), max_steps=30, trajectory_id=f"r{i}",
+                                source="random") for i, task in enumerate(heldout)]
+    for trajectory in trajectories:
+        check_contract(trajectory)
+    assert sum(t.success for t in trajectories) <= 1
+
+
+def test_noisy_expert_stays_on_the_walkthrough_without_noise(env: TextWorldCooking, heldout: list) -> None:
+    task = heldout[1]
+    trajectory = run_episode(env, task, noisy_expert_policy(env, 0.0, random.Random(0)), max_steps=60,
+                             trajectory_id="n", source="expert")
+    assert trajectory.success and [s.action for s in trajectory.steps] == list(env.walkthrough)
+    noisy = run_episode(env, task, noisy_expert_policy(env, 0.5, random.Random(1)), max_steps=60,
+                        trajectory_id="n2", source="expert")
+    check_contract(noisy)
+
+
+def test_invalid_action_is_a_step(env: TextWorldCooking, heldout: list) -> None:
+    observation = env.reset(heldout[2])
+    result = env.step("fly to the moon")
+    assert not result.done and result.reward == 0.0
+    assert result.info["valid_action"] is False
+    assert "Observation:" in result.observation.state
+    assert result.observation.valid_actions == observation.valid_actions
+    assert list(result.observation.valid_actions) == sorted(result.observation.valid_actions)
+
+
+def test_hung_engine_is_a_failed_final_step(cache: Path, heldout: list) -> None:
+    with TextWorldCooking(cache, step_timeout=0.5) as env:
+        env.reset(heldout[0])
+        os.kill(env._worker._process.pid, signal.SIGSTOP)  # the engine hangs
+        started = time.perf_counter()
+        result = env.step("inventory")
+        assert time.perf_counter() - started < 5.0
+        assert result.done and result.reward == 0.0
+        assert result.info["success"] is False and "engine_error" in result.info
+        with pytest.raises(RuntimeError):
+            env.step("look")
+        env.step_timeout = 10.0
+        env.reset(heldout[0])  # a fresh engine
+        assert not env.step("inventory").done
+        os.kill(env._worker._process.pid, signal.SIGKILL)  # the engine crashes
+        result = env.step("look")
+        assert result.done and result.info["success"] is False and "engine_error" in result.info
+
+
+def test_close_twice(cache: Path, heldout: list) -> None:
+    env = TextWorldCooking(cache)
+    env.reset(heldout[0])
+    env.close()
+    env.close()
+    with pytest.raises(RuntimeError):
+        env.step("look")
