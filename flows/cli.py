@@ -15,7 +15,7 @@ import yaml
 from components.config import ParamsError, load_params
 from components.stages import STAGES, StageError
 
-EXIT_OK, EXIT_REJECTED, EXIT_UNUSABLE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2  # onboarding: 1 also means "some records were quarantined"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "flow":
         from flows import pipeline
 
+        if args.set or args.params != "params.yaml":
+            print("error: flows run the DVC stages, which read params.yaml: edit it (or use `dvc exp run -S`) "
+                  "instead of --set/--params", file=sys.stderr)
+            return EXIT_UNUSABLE
         return _run(lambda: pipeline.FLOWS[args.name]())
     print(f"{args.params}: ok")
     return EXIT_OK
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 def _overrides(items: list[str]) -> dict:
     pairs = [item.partition("=") for item in items]
     if any(not sep for _, sep, _ in pairs):
-        raise SystemExit("error: --set takes KEY=VALUE, e.g. --set evaluate.workers=1")
+        raise ParamsError("--set takes KEY=VALUE, e.g. --set evaluate.workers=1")
     return {key: yaml.safe_load(value) for key, _, value in pairs}
 
 
@@ -82,7 +86,7 @@ def _run(call) -> int:
         call()
     except StageError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return EXIT_OK
 
 

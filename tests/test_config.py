@@ -64,3 +64,12 @@ def test_overrides_and_file_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("data: [unclosed")
     with pytest.raises(ParamsError, match="not valid YAML"):
         load_params(tmp_path / "bad.yaml")
+
+
+def test_cli_set_overrides(tmp_path):
+    from flows.cli import main
+
+    assert main(["--params", str(REPO_PARAMS), "--set", "data.max_text_length=10", "params", "check"]) == 0
+    assert main(["--params", str(REPO_PARAMS), "--set", "data.max_text_length=ten", "params", "check"]) == 2
+    assert main(["--params", str(REPO_PARAMS), "--set", "novalue", "params", "check"]) == 2
+    assert main(["--params", str(REPO_PARAMS), "--set", "seed=1", "flow", "validate"]) == 2  # flows read params.yaml
