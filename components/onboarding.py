@@ -27,6 +27,7 @@ class OnboardingResult:
     read: int
     added: int  # new trajectories stored
     unchanged: int  # identical to a trajectory already stored
+    replaced: int = 0  # stored trajectories overwritten (only with replace=True)
     rejected: list[Rejected] = field(default_factory=list)
     version_note: str = ""
 
@@ -37,7 +38,8 @@ class OnboardingResult:
     def summary(self, examples: int = 5) -> str:
         lines = [
             f"Onboarded {self.read} record(s) from {len(self.files)} file(s) into {self.data_dir}/",
-            f"  accepted  {self.added + self.unchanged:>6}  ({self.added} new, {self.unchanged} already stored)",
+            f"  accepted  {self.added + self.unchanged + self.replaced:>6}  ({self.added} new, {self.unchanged} already "
+            f"stored" + (f", {self.replaced} replaced)" if self.replaced else ")"),
             f"  rejected  {len(self.rejected):>6}" + (f"  -> kept in {self.data_dir / QUARANTINE}" if self.rejected else ""),
         ]
         if self.rejected:
@@ -56,28 +58,34 @@ class OnboardingResult:
         return "\n".join(lines)
 
 
-def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, version: bool = True) -> OnboardingResult:
+def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, version: bool = True,
+            replace: bool = False) -> OnboardingResult:
     """Validate `paths`, merge accepted trajectories into `data_dir`, quarantine the rest, `dvc add` the dir.
 
-    Raises `UnusableInput` before writing anything when a file is missing or not JSONL/Parquet.
+    A record whose id is already stored with other content is quarantined, unless `replace` (the pipeline's own
+    re-collection of a task, which supersedes the earlier episode). Raises `UnusableInput` before writing
+    anything when a file is missing or not JSONL/Parquet.
     """
     data_dir = Path(data_dir)
     records = [record for path in paths for record in read_raw_records(path)]  # every file read before any write
     stored = {r["trajectory_id"]: r for r in _read_if_exists(data_dir / TRAJECTORIES)}
-    report = validate_records(records, limits, known=stored)
+    report = validate_records(records, limits, known=None if replace else stored)
 
-    added = 0
+    added = replaced = 0
     for _, trajectory in report.accepted:
+        record = trajectory.to_dict()
         if trajectory.trajectory_id not in stored:
-            stored[trajectory.trajectory_id] = trajectory.to_dict()
             added += 1
+        elif stored[trajectory.trajectory_id] != record:
+            replaced += 1
+        stored[trajectory.trajectory_id] = record
     ordered = [stored[key] for key in sorted(stored)]
     write_records(ordered, data_dir / TRAJECTORIES)
     write_records(_distinct_tasks(ordered), data_dir / TASKS)
     _append_quarantine(data_dir / QUARANTINE, report.rejected)
 
     result = OnboardingResult(data_dir, [str(p) for p in paths], len(records), added,
-                              len(report.accepted) - added, report.rejected)
+                              len(report.accepted) - added - replaced, replaced, report.rejected)
     if version:
         result.version_note = version_with_dvc(data_dir)
     return result

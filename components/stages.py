@@ -103,7 +103,9 @@ def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResul
     paths = sorted((root / params.collect_seed.out_dir).glob("*.jsonl"))
     if not paths:
         raise StageError(f"nothing collected in {params.collect_seed.out_dir}/; run `dvc repro collect_seed` first")
-    return onboard(paths, root / params.data.dir, Limits.of(params.data))
+    # replace: re-collecting a task (after a param change) supersedes the episode collected before; MiniWoB pages
+    # can differ in DOM numbering from run to run, so an "identical" re-collection is not guaranteed
+    return onboard(paths, root / params.data.dir, Limits.of(params.data), replace=True)
 
 
 def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> list[str]:

@@ -70,3 +70,21 @@ def test_bad_params_exit_two(project):
     params.write_text(params.read_text().replace("max_text_length:", "max_text_lenght:"))
     result = run("dreamgym", "data", "onboard", "x.jsonl", cwd=project, check=False)
     assert result.returncode == 2 and "did you mean 'max_text_length'" in result.stderr
+
+
+def test_replace_mode_supersedes_stored_records(tmp_path):
+    """The pipeline's re-collection replaces its earlier episodes; a user's id clash is quarantined instead."""
+    from components.onboarding import onboard
+    from components.validation import Limits
+
+    limits = Limits(65536, (-1.0, 1.0))
+    first = write_jsonl([valid_record(i) for i in range(3)], tmp_path / "a.jsonl")
+    onboard([first], tmp_path / "data", limits, version=False)
+    changed = [valid_record(i) for i in range(4)]
+    changed[0]["success"] = not changed[0]["success"]
+    second = write_jsonl(changed, tmp_path / "b.jsonl")
+    assert len(onboard([second], tmp_path / "data", limits, version=False).rejected) == 1
+    result = onboard([second], tmp_path / "data", limits, version=False, replace=True)
+    assert (result.added, result.unchanged, result.replaced, result.rejected) == (0, 3, 1, [])
+    stored = list(read_records(tmp_path / "data" / "trajectories.jsonl"))
+    assert stored[0]["success"] == changed[0]["success"] and len(stored) == 4

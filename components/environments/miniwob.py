@@ -209,6 +209,7 @@ _LINE = re.compile(rf'^\[(?P<ref>\d+)\] (?P<tag>[\w-]+)(?:#(?P<id>[^\s.#"]+))?(?
                    r"(?P<checked> checked)?(?P<focused> focused)?$")
 _TEXT_LINE = re.compile(rf"^text (?P<text>{_QUOTED})$")
 _NAME = re.compile(r'^[^\s.#"]+$')
+_GENERATED_ID = re.compile(r"^ui-id-\d+$")  # jQuery UI numbers its widgets per page load: noise, not meaning
 
 
 def _quote(text: str) -> str:
@@ -226,7 +227,7 @@ def _elements_from_dom(dom_elements: Sequence[dict[str, Any]]) -> list[Element]:
             if text:
                 elements.append(Element(None, "t", text))
             continue
-        element_id = raw["id"] if _NAME.match(raw["id"] or "") else ""
+        element_id = raw["id"] if _NAME.match(raw["id"] or "") and not _GENERATED_ID.match(raw["id"]) else ""
         cls = next((c for c in raw["classes"].split() if _NAME.match(c) and c != "SVG_CLASS"), "")
         is_text_input = tag in TEXT_INPUTS
         if not (text or element_id or cls or is_text_input or tag.startswith("input") or tag == "button"):
