@@ -25,6 +25,7 @@ class Section(BaseModel):
 
 class DataParams(Section):
     dir: str = Field(description="seed data directory versioned by data.dvc")
+    heldout_task_fraction: float = Field(ge=0, lt=1, description="seed tasks kept out of training and the buffer")
     max_text_length: int = Field(gt=0, description="longest state or action accepted, in characters")
     reward_range: list[float] = Field(description="[low, high] inclusive range of a step reward")
 
@@ -108,6 +109,20 @@ class EvaluateParams(Section):
     confidence: float = Field(gt=0, lt=1)
 
 
+class WeaviateParams(Section):
+    url: str | None = Field(description="null: WEAVIATE_URL from the environment (API key: WEAVIATE_API_KEY)")
+    grpc_port: int
+    collection: str
+
+
+class BufferParams(Section):
+    backend: Literal["embedded", "weaviate"]
+    top_k: int = Field(gt=0)
+    encode_batch_size: int = Field(gt=0)
+    out_dir: str = Field(description="where index_buffer saves the buffer (the Weaviate backend saves a reference)")
+    weaviate: WeaviateParams
+
+
 class Params(Section):
     seed: int
     data: DataParams
@@ -116,6 +131,7 @@ class Params(Section):
     environments: EnvironmentsParams
     collect_seed: CollectSeedParams
     evaluate: EvaluateParams
+    buffer: BufferParams
 
 
 def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:

@@ -7,6 +7,7 @@ files go through `components.onboarding`, which validates every record first.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,11 @@ def transitions(trajectory: Trajectory, history_length: int | None = None) -> It
         history = tuple((s.state, s.action) for s in trajectory.steps[start:index])
         yield Transition(trajectory.trajectory_id, index, trajectory.task, history, step.state, step.action,
                          step.next_state, step.reward, step.done, trajectory.source)
+
+
+def is_heldout_task(task_id: str, fraction: float) -> bool:
+    """A stable split by task: the same task lands on the same side on every machine, run and data size."""
+    return zlib.crc32(task_id.encode("utf-8")) % 10_000 < fraction * 10_000
 
 
 def file_format(path: str | Path) -> str | None:

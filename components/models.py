@@ -7,14 +7,12 @@ inside PyPI wheels and are turned into ordinary local directories by `resolve_mo
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
+
+from components.files import atomic_directory
 
 if TYPE_CHECKING:  # torch/transformers take seconds to import; only pay for them when a model is loaded
     from sentence_transformers import SentenceTransformer
@@ -72,32 +70,9 @@ def _convert_smollm2(target: Path) -> None:
     model.hf_quantizer = None
     del model.config.quantization_config
 
-    with _atomic_directory(target) as tmp:
+    with atomic_directory(target) as tmp:
         model.save_pretrained(tmp)  # safetensors is the default format
         tokenizer.save_pretrained(tmp)
-
-
-@contextmanager
-def _atomic_directory(target: Path) -> Iterator[Path]:
-    """Yield a temporary directory that becomes `target` only if the block completes.
-
-    It sits next to `target` (same filesystem, so the rename is atomic): a crash or a Ctrl-C never leaves a
-    half-written cache that later runs would trust.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        # mkdtemp makes the directory private (0700) and safetensors writes 0600; a model cache is shared data.
-        for path in [tmp, *tmp.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():  # the rename fails if another process finished first; its copy is as good
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model(name_or_path: str, cache_dir: str | Path) -> str:

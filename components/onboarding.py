@@ -36,11 +36,13 @@ class OnboardingResult:
         return 1 if self.rejected else 0
 
     def summary(self, examples: int = 5) -> str:
+        accepted = self.added + self.unchanged + self.replaced
+        replaced = f", {self.replaced} replaced" if self.replaced else ""
+        kept = f"  -> kept in {self.data_dir / QUARANTINE}" if self.rejected else ""
         lines = [
             f"Onboarded {self.read} record(s) from {len(self.files)} file(s) into {self.data_dir}/",
-            f"  accepted  {self.added + self.unchanged + self.replaced:>6}  ({self.added} new, {self.unchanged} already "
-            f"stored" + (f", {self.replaced} replaced)" if self.replaced else ")"),
-            f"  rejected  {len(self.rejected):>6}" + (f"  -> kept in {self.data_dir / QUARANTINE}" if self.rejected else ""),
+            f"  accepted  {accepted:>6}  ({self.added} new, {self.unchanged} already stored{replaced})",
+            f"  rejected  {len(self.rejected):>6}{kept}",
         ]
         if self.rejected:
             counts = Counter(reason.rule for rejected in self.rejected for reason in rejected.reasons)

@@ -4,12 +4,14 @@ DVC (`dreamgym stage NAME`) and Prefect (`flows/`) call these same functions, so
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from components.artifacts import open_artifact_store
 from components.config import Params
+from components.contract import is_heldout_task, read_trajectories, transitions
 from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
@@ -63,8 +65,9 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
     metrics: dict[str, Any] = {"skipped": seed_only}
     rows = []
     for environment in environments:
-        trajectories = collect_environment(params, environment, root / params.collect_seed.out_dir / f"{environment}.jsonl",
-                                           root / ".cache" / "collect_seed" / f"{environment}.jsonl")
+        out_path = root / params.collect_seed.out_dir / f"{environment}.jsonl"
+        progress_path = root / ".cache" / "collect_seed" / f"{environment}.jsonl"
+        trajectories = collect_environment(params, environment, out_path, progress_path)
         by_source: dict[str, list] = defaultdict(list)
         for trajectory in trajectories:
             by_source[trajectory.source].append(trajectory)
@@ -97,6 +100,43 @@ def evaluate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
+def index_buffer(params: Params, root: str | Path = ".", log=print) -> dict[str, Any]:
+    """Embed the real seed transitions of training tasks into the replay buffer and save it (buffer.out_dir)."""
+    from components.replay_buffer import SentenceEncoder, open_replay_buffer
+
+    root = Path(root)
+    trajectories = read_trajectories(root / params.data.dir / TRAJECTORIES)
+    fraction = params.data.heldout_task_fraction
+    train = [t for t in trajectories if not is_heldout_task(t.task.task_id, fraction)]
+    pending = [transition for trajectory in train for transition in transitions(trajectory)]
+    encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
+    settings = params.buffer.weaviate.model_dump() if params.buffer.backend == "weaviate" else {}
+    buffer = open_replay_buffer(params.buffer.backend, encoder, **settings)
+    start, chunk = time.monotonic(), 256
+    for done in range(0, len(pending), chunk):
+        buffer.add(pending[done:done + chunk], source="real")
+        rate = (done + chunk) / (time.monotonic() - start)
+        log(f"[index_buffer] {min(done + chunk, len(pending))}/{len(pending)} transitions, {rate:.0f}/s, "
+            f"ETA {max(0.0, (len(pending) - done - chunk) / rate):.0f}s")
+    buffer.save(root / params.buffer.out_dir)
+    environments = sorted({t.task.environment for t in trajectories})
+    metrics = {
+        "transitions": len(buffer),
+        "transitions_by_environment": {env: buffer.count(environment=env) for env in environments},
+        "train_tasks": len({t.task.task_id for t in train}),
+        "heldout_tasks": len({t.task.task_id for t in trajectories}) - len({t.task.task_id for t in train}),
+        "encode_per_s": round(len(pending) / (time.monotonic() - start), 1),
+    }
+    buffer.close()
+    rows = [[env, count] for env, count in metrics["transitions_by_environment"].items()]
+    text = (f"# Replay buffer\n\n{metrics['transitions']} real transitions from {metrics['train_tasks']} training "
+            f"tasks, embedded with `{params.models.embedder}` (backend `{params.buffer.backend}`); "
+            f"{metrics['heldout_tasks']} seed tasks ({fraction:.0%}) are held out for fidelity evaluation.\n\n"
+            + markdown_table(["environment", "transitions"], rows))
+    write_stage_outputs("index_buffer", metrics, text, root)
+    return metrics
+
+
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult:
     """Onboard the collected seed set (collect_seed's output) into the versioned data directory."""
     root = Path(root)
@@ -115,4 +155,5 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
     return [store.put(path, run_id, f"{stage}-{kind}") for kind, path in outputs.items() if path.exists()]
 
 
-STAGES = {"collect_seed": collect_seed, "validate": validate, "evaluate": evaluate}  # stage name (dvc.yaml, Prefect) -> function; later stages join here
+# stage name (in dvc.yaml and as a Prefect flow) -> function, in pipeline order; later stages join here
+STAGES = {"collect_seed": collect_seed, "validate": validate, "index_buffer": index_buffer, "evaluate": evaluate}

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pyarrow.parquet as pq
 
 from components.contract import SOURCES, Trajectory, file_format
 
@@ -109,8 +108,10 @@ def _read_jsonl(path: Path) -> list[RawRecord]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                records.append(RawRecord(str(path), number, text=raw.decode("utf-8", "backslashreplace"), problem=Reason(
-                    "invalid_utf8", "", f"line is not valid UTF-8 (byte {error.start}); re-export the file as UTF-8")))
+                problem = Reason("invalid_utf8", "", f"line is not valid UTF-8 (byte {error.start}); "
+                                                     "re-export the file as UTF-8")
+                records.append(RawRecord(str(path), number, text=raw.decode("utf-8", "backslashreplace"),
+                                         problem=problem))
                 continue
             try:
                 value = json.loads(text)
@@ -119,7 +120,8 @@ def _read_jsonl(path: Path) -> list[RawRecord]:
                     "invalid_json", "", f"not valid JSON ({error}); write one complete JSON object per line")))
                 continue
             problem = None if isinstance(value, dict) else Reason(
-                "not_an_object", "", f"a JSON {_json_type(value)}, not an object; each line must be one trajectory object")
+                "not_an_object", "", f"a JSON {_json_type(value)}, not an object; "
+                                     "each line must be one trajectory object")
             records.append(RawRecord(str(path), number, value=value, problem=problem))
     return records
 
@@ -267,7 +269,8 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
         *_type_rules("trajectories", "", TRAJECTORY_FIELDS, ""),
         *_type_rules("trajectories", "task.", TASK_FIELDS, "task."),
         Rule("wrong_type", "trajectories", "task.parameters",
-             E.ExpectColumnValuesToBeInSet(column="task.parameters__type", value_set=["object", MISSING, NOT_APPLICABLE]),
+             E.ExpectColumnValuesToBeInSet(column="task.parameters__type",
+                                           value_set=["object", MISSING, NOT_APPLICABLE]),
              lambda row: f"optional parameters must be an object, got a {row['task.parameters__type']}"),
         Rule("unknown_field", "trajectories", "", E.ExpectColumnValuesToBeNull(column="unknown_fields"),
              lambda row: f"unknown field(s) {row['unknown_fields']}; the contract has {', '.join(TRAJECTORY_FIELDS)} "
@@ -310,7 +313,8 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
         Rule("reward_out_of_range", "steps", "steps[{step}].reward",
              E.ExpectColumnValuesToBeBetween(column="reward_value", min_value=low, max_value=high),
              lambda row: (f"{row['reward_value']} is outside [{low}, {high}]" if math.isfinite(row["reward_value"])
-                          else "reward is NaN or infinite") + "; rescale rewards or set data.reward_range in params.yaml"),
+                          else "reward is NaN or infinite")
+             + "; rescale rewards or set data.reward_range in params.yaml"),
         Rule("done_before_last_step", "steps", "steps[{step}].done",
              E.ExpectColumnValuesToBeInSet(column="done", value_set=[False], row_condition=Column("is_last") == False),  # noqa: E712
              lambda row: "done is true before the last step; only the final step may end the episode "

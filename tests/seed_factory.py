@@ -19,7 +19,7 @@ ITEMS = ["red potato", "carrot", "yellow pepper", "block of cheese", "red apple"
 def valid_record(index: int, n_steps: int = 3) -> dict[str, Any]:
     """A well-formed trajectory: a small cooking episode whose states chain step to step."""
     room, item = ROOMS[index % len(ROOMS)], ITEMS[index % len(ITEMS)]
-    actions = [f"open fridge", f"take {item} from fridge", "prepare meal", "eat meal"][:n_steps]
+    actions = ["open fridge", f"take {item} from fridge", "prepare meal", "eat meal"][:n_steps]
     states = [f"You are in the {room}. You see a closed fridge."]
     states += [f"You are in the {room}. Step {i + 1}: you did '{a}'." for i, a in enumerate(actions)]
     success = index % 3 == 0

@@ -8,7 +8,6 @@ import sys
 import uuid
 from pathlib import Path
 
-
 # The dvc of the interpreter running the tests, not whatever is first on PATH.
 DVC = str(Path(sys.executable).with_name("dvc"))
 

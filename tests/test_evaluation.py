@@ -11,7 +11,11 @@ import pytest
 
 from components.config import load_params
 from components.evaluation import (
-    EvaluationResult, evaluate_baselines, evaluate_policy, seeded_random, wilson_interval,
+    EvaluationResult,
+    evaluate_baselines,
+    evaluate_policy,
+    seeded_random,
+    wilson_interval,
 )
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,15 @@ if not (Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exi
 
 from components.contract import Task  # noqa: E402
 from components.environments.miniwob import (  # noqa: E402
-    SEED_RANGES, TASKS, MiniWoB, expert_policy, make_tasks, parse_state, random_policy, render_state)
+    SEED_RANGES,
+    TASKS,
+    MiniWoB,
+    expert_policy,
+    make_tasks,
+    parse_state,
+    random_policy,
+    render_state,
+)
 from components.environments.rollout import run_episode  # noqa: E402
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from components import models
+from components.files import atomic_directory
 from components.models import (
     PACKAGED_MODELS,
     ModelNotFoundError,
@@ -113,7 +114,7 @@ def test_missing_package_names_the_install_command(tmp_path: Path, monkeypatch: 
 def test_interrupted_conversion_leaves_no_cache(tmp_path: Path):
     target = tmp_path / "model"
     with pytest.raises(KeyboardInterrupt):
-        with models._atomic_directory(target) as tmp:
+        with atomic_directory(target) as tmp:
             (tmp / "config.json").write_text("{}")
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []  # neither the target nor the temporary directory

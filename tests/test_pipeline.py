@@ -53,13 +53,13 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server):
         runs = client.read_flow_runs()
         names = {client.read_flow(r.flow_id).name for r in runs}
         artifacts = {a.key: a for a in client.read_artifacts()}
-    assert {"pipeline", "collect_seed", "validate", "evaluate"} <= names and all(r.state.is_completed() for r in runs)
+    assert {"pipeline", "collect_seed", "validate", "index_buffer", "evaluate"} <= names and all(r.state.is_completed() for r in runs)
     assert result["evaluate"]["textworld-cooking"]["expert"]["success_rate"] == 1.0
     assert "textworld-cooking" in artifacts["validate-report"].data
     assert result["run_id"] in artifacts["validate-outputs"].data
 
     second = run("dvc", "repro", cwd=project)  # the flow left nothing for DVC to redo
-    assert all(f"'{stage}' didn't change" in second.stdout for stage in ("collect_seed", "validate", "evaluate"))
+    assert all(f"'{stage}' didn't change" in second.stdout for stage in ("collect_seed", "validate", "index_buffer", "evaluate"))
 
 
 def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
@@ -87,3 +87,25 @@ def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
 
     fetched = open_artifact_store(params.storage).get("run-1", "validate-report", onboarded / "fetched.md")
     assert fetched.read_bytes() == (onboarded / "reports" / "validate.md").read_bytes()
+
+
+def test_index_buffer_stage_saves_a_buffer_of_training_tasks(onboarded):
+    """index_buffer embeds real training-task transitions (MiniLM, packaged) and saves a loadable buffer."""
+    from components.config import load_params
+    from components.contract import is_heldout_task, read_trajectories
+    from components.replay_buffer import SentenceEncoder, load_replay_buffer
+
+    run("dreamgym", "--set", "data.heldout_task_fraction=0.3", "stage", "index_buffer", cwd=onboarded)
+    metrics = json.loads((onboarded / "metrics" / "index_buffer.json").read_text())
+    trajectories = read_trajectories(onboarded / "data" / "trajectories.jsonl")
+    train = [t for t in trajectories if not is_heldout_task(t.task.task_id, 0.3)]
+    assert 0 < len(train) < len(trajectories)  # the split keeps some tasks out
+    assert metrics["transitions"] == sum(len(t.steps) for t in train)
+
+    params = load_params(onboarded / "params.yaml")
+    encoder = SentenceEncoder(params.models.embedder, onboarded / params.models.cache_dir)
+    buffer = load_replay_buffer(onboarded / params.buffer.out_dir, encoder)
+    step = train[0].steps[1]
+    hits = buffer.retrieve(step.state, step.action, environment="demo-kitchen", k=3)
+    assert hits[0].state == step.state and hits[0].action == step.action and hits[0].source == "real"
+    assert not buffer.retrieve(step.state, step.action, environment="miniwob", k=3)

@@ -15,8 +15,17 @@ pytest.importorskip("textworld")
 from components.contract import Trajectory  # noqa: E402
 from components.environments.rollout import run_episode  # noqa: E402
 from components.environments.textworld_cooking import (  # noqa: E402
-    ENVIRONMENT, SEED_RANGES, TextWorldCooking, _cache_root, _generate_game, cached_game, expert_policy, make_task,
-    make_tasks, noisy_expert_policy, random_policy,
+    ENVIRONMENT,
+    SEED_RANGES,
+    TextWorldCooking,
+    _cache_root,
+    _generate_game,
+    cached_game,
+    expert_policy,
+    make_task,
+    make_tasks,
+    noisy_expert_policy,
+    random_policy,
 )
 
 HELDOUT = 6

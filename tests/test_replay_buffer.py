@@ -1,0 +1,259 @@
+"""One conformance suite for every replay-buffer backend.
+
+The embedded (faiss) backend always runs. The Weaviate backend runs only against a real server named by
+WEAVIATE_URL (API key, if any, in WEAVIATE_API_KEY; gRPC port in WEAVIATE_GRPC_PORT, default 50051); each test
+uses its own throwaway collection.
+
+Most tests use `HashingEncoder`, a deterministic bag-of-words test double for the *encoder* only: it makes
+cosine scores computable by hand and costs microseconds, while the index, filters and persistence under test are
+the real ones. One test uses the real packaged all-MiniLM-L6-v2 to show a paraphrase finds its transition.
+"""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from components.contract import Step, Task, Trajectory, transitions
+from components.replay_buffer import (
+    FaissReplayBuffer,
+    ReplayBuffer,
+    SentenceEncoder,
+    load_replay_buffer,
+    open_replay_buffer,
+    render,
+)
+
+WEAVIATE_URL = os.environ.get("WEAVIATE_URL")
+NO_WEAVIATE = "WEAVIATE_URL not set: the Weaviate backend needs a running server (none can run here)"
+
+BACKENDS = [
+    "embedded",
+    pytest.param("weaviate", marks=[pytest.mark.external, pytest.mark.skipif(not WEAVIATE_URL, reason=NO_WEAVIATE)]),
+]
+
+
+class HashingEncoder:
+    """Bag of words hashed (crc32, stable across runs) into 256 buckets, L2-normalised."""
+
+    name = "test-hashing-bow-256"
+    dim = 256
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in re.findall(r"\w+", text.lower()):
+                vectors[row, zlib.crc32(word.encode()) % self.dim] += 1.0
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def open_buffer(backend: str, encoder, cleanup: list) -> ReplayBuffer:
+    if backend == "embedded":
+        return open_replay_buffer("embedded", encoder)
+    buffer = open_replay_buffer("weaviate", encoder, url=WEAVIATE_URL, collection=f"DreamGymTest{uuid.uuid4().hex}",
+                                grpc_port=int(os.environ.get("WEAVIATE_GRPC_PORT", "50051")))
+    cleanup.append(buffer)
+    return buffer
+
+
+@pytest.fixture
+def make_buffer(request):
+    """make_buffer(encoder=HashingEncoder()) -> a fresh, empty buffer of the parametrized backend."""
+    backend, cleanup = request.param, []
+    yield lambda encoder=None: open_buffer(backend, encoder or HashingEncoder(), cleanup)
+    for buffer in cleanup:  # weaviate: drop the throwaway collection
+        buffer.drop()
+        buffer.close()
+
+
+backends = pytest.mark.parametrize("make_buffer", BACKENDS, indirect=True)
+
+
+def trajectory(trajectory_id: str, environment: str, pairs: list[tuple[str, str]], source: str = "expert",
+               task_id: str = "task-1") -> Trajectory:
+    """A contract trajectory whose steps have the given (state, action) pairs; reward 1 on the last step."""
+    steps = [Step(state, action, f"after {action}", float(i == len(pairs) - 1), i == len(pairs) - 1)
+             for i, (state, action) in enumerate(pairs)]
+    return Trajectory(trajectory_id, Task(task_id, environment, "cook a meal", {}), steps, steps[-1].done,
+                      steps[-1].reward, source)
+
+
+KITCHEN = trajectory("tw-1", "textworld", [
+    ("kitchen with a closed fridge", "open fridge"),
+    ("open fridge holding a red potato", "take red potato"),
+    ("you carry a red potato", "slice red potato with knife"),
+    ("sliced potato on the counter", "cook potato with stove"),
+    ("a cooked meal is ready", "eat meal"),
+])
+GARDEN = trajectory("tw-2", "textworld", [("garden with a shed", "open shed"),
+                                          ("open shed with a shovel", "take shovel")])
+WEB = trajectory("web-1", "miniwob", [(f"page with button {i}", f"click button {i}") for i in range(10)])
+
+
+def fill(buffer: ReplayBuffer) -> None:
+    for t in (KITCHEN, GARDEN, WEB):
+        buffer.add(list(transitions(t)), "real")
+
+
+def key(result) -> tuple[str, int]:
+    return result.trajectory_id, result.step_index
+
+
+@backends
+def test_top_k_is_ordered_by_exact_cosine(make_buffer):
+    encoder = HashingEncoder()
+    buffer = make_buffer(encoder)
+    fill(buffer)
+    state, action = "a fridge in the kitchen", "open the fridge"
+    results = buffer.retrieve(state, action, environment="textworld", k=4)
+
+    stored = [t for traj in (KITCHEN, GARDEN) for t in transitions(traj)]
+    query = encoder.encode([render(state, action)])[0]
+    expected = {(t.trajectory_id, t.step_index): float(encoder.encode([render(t.state, t.action)])[0] @ query)
+                for t in stored}
+    assert len(results) == 4
+    assert [r.score for r in results] == pytest.approx(sorted(expected.values(), reverse=True)[:4], abs=1e-5)
+    assert all(r.score == pytest.approx(expected[key(r)], abs=1e-5) for r in results)
+    best = results[0]
+    assert (best.trajectory_id, best.step_index, best.action, best.next_state) == ("tw-1", 0, "open fridge",
+                                                                                  "after open fridge")
+    assert (best.task_id, best.environment, best.source, best.origin, best.done) == (
+        "task-1", "textworld", "real", "expert", False)
+
+
+@backends
+def test_environment_filter_never_leaks_even_when_k_exceeds_its_size(make_buffer):
+    buffer = make_buffer()
+    fill(buffer)
+    # The query matches a miniwob transition word for word, but only textworld's 7 transitions may come back.
+    results = buffer.retrieve("page with button 3", "click button 3", environment="textworld", k=50)
+    assert len(results) == 7
+    assert {r.environment for r in results} == {"textworld"}
+    assert {key(r) for r in results} == {(t.trajectory_id, t.step_index)
+                                         for traj in (KITCHEN, GARDEN) for t in transitions(traj)}
+    assert buffer.retrieve("page", "click", environment="no-such-environment", k=4) == []
+
+
+@backends
+def test_online_appends_are_visible_to_the_next_retrieve(make_buffer):
+    buffer = make_buffer()
+    fill(buffer)
+    state, action = "a dark cellar with a lantern", "light lantern"
+    assert key(buffer.retrieve(state, action, environment="textworld", k=1)[0]) != ("syn-1", 0)
+    added = buffer.add(list(transitions(trajectory("syn-1", "textworld", [(state, action)], source="synthetic"))),
+                       "synthetic")
+    assert added == 1
+    top = buffer.retrieve(state, action, environment="textworld", k=1)[0]
+    assert (key(top), top.source, top.origin) == (("syn-1", 0), "synthetic", "synthetic")
+    assert top.score == pytest.approx(1.0, abs=1e-5)
+
+
+@backends
+def test_exclude_trajectory_still_returns_k(make_buffer):
+    buffer = make_buffer()
+    fill(buffer)
+    state, action = KITCHEN.steps[1].state, KITCHEN.steps[1].action
+    assert key(buffer.retrieve(state, action, environment="textworld", k=3)[0]) == ("tw-1", 1)
+    results = buffer.retrieve(state, action, environment="textworld", k=3, exclude_trajectory="tw-1")
+    assert [r.trajectory_id for r in results] == ["tw-2", "tw-2"]  # all that is left, no padding, no tw-1
+    results = buffer.retrieve("page with button 3", "click button 3", environment="miniwob", k=4,
+                              exclude_trajectory="tw-1")  # a trajectory of another environment changes nothing
+    assert len(results) == 4 and key(results[0]) == ("web-1", 3)
+
+
+@backends
+def test_batch_retrieval_matches_single_queries(make_buffer):
+    buffer = make_buffer()
+    fill(buffer)
+    queries = [(s.state, s.action) for s in KITCHEN.steps[:3]] + [("garden", "take shovel")]
+    excluded = [None, "tw-1", None, "tw-2"]
+    batch = buffer.retrieve_batch(queries, environment="textworld", k=3, exclude_trajectories=excluded)
+    single = [buffer.retrieve(s, a, environment="textworld", k=3, exclude_trajectory=x)
+              for (s, a), x in zip(queries, excluded)]
+    assert [[key(r) for r in hits] for hits in batch] == [[key(r) for r in hits] for hits in single]
+    assert buffer.retrieve_batch([], environment="textworld", k=3) == []
+
+
+@backends
+def test_counts_by_environment_and_source_and_idempotent_adds(make_buffer):
+    buffer = make_buffer()
+    assert len(buffer) == 0
+    fill(buffer)
+    synthetic = trajectory("syn-1", "textworld", [("a", "b"), ("c", "d"), ("e", "f")], source="synthetic")
+    assert buffer.add(list(transitions(synthetic)), "synthetic") == 3
+    assert len(buffer) == 20
+    assert buffer.count(source="real") == 17 and buffer.count(source="synthetic") == 3
+    assert buffer.count(environment="textworld") == 10 and buffer.count(environment="miniwob") == 10
+    assert buffer.count(environment="textworld", source="synthetic") == 3
+    assert buffer.count(environment="miniwob", source="synthetic") == 0
+    # Re-adding (a retried task) stores nothing twice; repeats inside one call count once.
+    assert buffer.add(list(transitions(KITCHEN)) * 2, "real") == 0
+    assert len(buffer) == 20
+    with pytest.raises(ValueError, match="synthetic trajectory"):
+        buffer.add(list(transitions(synthetic)), "real")
+    with pytest.raises(ValueError, match="source"):
+        buffer.add(list(transitions(GARDEN)), "imagined")
+
+
+@backends
+def test_save_and_load_give_identical_retrieval(make_buffer, tmp_path: Path):
+    encoder = HashingEncoder()
+    buffer = make_buffer(encoder)
+    fill(buffer)
+    queries = [(s.state, s.action) for s in KITCHEN.steps] + [("page with button 7", "click button 7")]
+    before = {env: buffer.retrieve_batch(queries, environment=env, k=5) for env in ("textworld", "miniwob")}
+
+    buffer.save(tmp_path / "buffer")
+    buffer.save(tmp_path / "buffer")  # saving over an earlier save replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer"]  # no temp or old directories left behind
+    loaded = load_replay_buffer(tmp_path / "buffer", encoder)
+    try:
+        assert type(loaded) is type(buffer) and len(loaded) == len(buffer)
+        after = {env: loaded.retrieve_batch(queries, environment=env, k=5) for env in ("textworld", "miniwob")}
+        assert after == before  # records and scores, exactly
+        assert loaded.count(source="real") == 17
+        assert loaded.add(list(transitions(KITCHEN)), "real") == 0  # keys survive the round trip
+    finally:
+        if loaded is not buffer:
+            loaded.close()
+
+
+def test_embedded_load_refuses_another_encoder(tmp_path: Path):
+    buffer = open_replay_buffer("embedded", HashingEncoder())
+    fill(buffer)
+    buffer.save(tmp_path / "buffer")
+    other = HashingEncoder()
+    other.name = "another-encoder"
+    with pytest.raises(ValueError, match="another-encoder"):
+        FaissReplayBuffer.load(tmp_path / "buffer", other)
+    with pytest.raises(FileNotFoundError, match="not a saved replay buffer"):
+        load_replay_buffer(tmp_path, HashingEncoder())
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="embedded, weaviate"):
+        open_replay_buffer("chroma", HashingEncoder())
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory) -> SentenceEncoder:
+    return SentenceEncoder("all-minilm-l6-v2", tmp_path_factory.mktemp("models"))
+
+
+@backends
+def test_minilm_retrieves_a_paraphrase(make_buffer, minilm: SentenceEncoder):
+    buffer = make_buffer(minilm)
+    fill(buffer)
+    # No word in common with the stored "kitchen with a closed fridge" / "open fridge" beyond stop words.
+    results = buffer.retrieve("You are in the cooking room; the refrigerator is shut.", "pull the refrigerator door",
+                              environment="textworld", k=3)
+    assert key(results[0]) == ("tw-1", 0), [(key(r), r.score) for r in results]
+    assert results[0].score > results[1].score
+    vectors = minilm.encode(["one", "two words"])
+    assert vectors.dtype == np.float32 and vectors.shape == (2, 384)
+    assert np.linalg.norm(vectors, axis=1) == pytest.approx(1.0, abs=1e-5)
