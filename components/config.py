@@ -123,6 +123,20 @@ class BufferParams(Section):
     weaviate: WeaviateParams
 
 
+class TeacherParams(Section):
+    kind: Literal["hf", "openai"]
+    model: str = Field(description="hf: packaged name, hub id or path; openai: the served model's name")
+    base_url: str | None = Field(description="openai only, e.g. http://127.0.0.1:8000/v1")
+    api_key_env: str = Field(description="name of the environment variable holding the key (never the key)")
+    batch_size: int = Field(gt=0)
+    max_new_tokens: int = Field(gt=0)
+
+
+class AnnotateParams(Section):
+    teacher: TeacherParams | None = Field(description="null: deterministic traces derived from the data")
+    out_dir: str
+
+
 class Params(Section):
     seed: int
     data: DataParams
@@ -132,6 +146,7 @@ class Params(Section):
     collect_seed: CollectSeedParams
     evaluate: EvaluateParams
     buffer: BufferParams
+    annotate: AnnotateParams
 
 
 def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:

@@ -137,6 +137,27 @@ def index_buffer(params: Params, root: str | Path = ".", log=print) -> dict[str,
     return metrics
 
 
+def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Give every seed transition a reasoning trace (annotate.out_dir/transitions.jsonl)."""
+    from components import annotation
+
+    root = Path(root)
+    trajectories = read_trajectories(root / params.data.dir / TRAJECTORIES)
+    spec = params.annotate.teacher
+    teacher = annotation.make_teacher(annotation.TeacherSpec(**spec.model_dump()) if spec else None,
+                                      root / params.models.cache_dir)
+    records = annotation.annotate(trajectories, teacher)
+    annotation.write_annotated(records, root / params.annotate.out_dir / "transitions.jsonl")
+    metrics = annotation.annotation_summary(records, teacher.name if teacher else None)
+    examples = {record.task.environment: record for record in records if record.step_index == 1}
+    text = (f"# Reasoning traces\n\n{metrics['transitions']} transitions of {metrics['trajectories']} trajectories "
+            f"annotated by `{metrics['annotator']}`; traces average {metrics['mean_trace_words']:.0f} words.\n\n"
+            + "".join(f"## Example: {env}\n\nAction `{r.action}`, reward {r.reward}, done {r.done}.\n\n"
+                      f"> {r.reasoning}\n\n" for env, r in sorted(examples.items())))
+    write_stage_outputs("annotate", metrics, text, root)
+    return metrics
+
+
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult:
     """Onboard the collected seed set (collect_seed's output) into the versioned data directory."""
     root = Path(root)
@@ -156,4 +177,5 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
 
 
 # stage name (in dvc.yaml and as a Prefect flow) -> function, in pipeline order; later stages join here
-STAGES = {"collect_seed": collect_seed, "validate": validate, "index_buffer": index_buffer, "evaluate": evaluate}
+STAGES = {"collect_seed": collect_seed, "validate": validate, "annotate": annotate, "index_buffer": index_buffer,
+          "evaluate": evaluate}

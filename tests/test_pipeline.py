@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 
+from components.stages import STAGES
 from tests.conftest import SMALL_RUN, run, set_params
 
 
@@ -53,13 +54,13 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server):
         runs = client.read_flow_runs()
         names = {client.read_flow(r.flow_id).name for r in runs}
         artifacts = {a.key: a for a in client.read_artifacts()}
-    assert {"pipeline", "collect_seed", "validate", "index_buffer", "evaluate"} <= names and all(r.state.is_completed() for r in runs)
+    assert {"pipeline", *STAGES} <= names and all(r.state.is_completed() for r in runs)
     assert result["evaluate"]["textworld-cooking"]["expert"]["success_rate"] == 1.0
     assert "textworld-cooking" in artifacts["validate-report"].data
     assert result["run_id"] in artifacts["validate-outputs"].data
 
     second = run("dvc", "repro", cwd=project)  # the flow left nothing for DVC to redo
-    assert all(f"'{stage}' didn't change" in second.stdout for stage in ("collect_seed", "validate", "index_buffer", "evaluate"))
+    assert all(f"'{stage}' didn't change" in second.stdout for stage in STAGES)
 
 
 def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
@@ -109,3 +110,16 @@ def test_index_buffer_stage_saves_a_buffer_of_training_tasks(onboarded):
     hits = buffer.retrieve(step.state, step.action, environment="demo-kitchen", k=3)
     assert hits[0].state == step.state and hits[0].action == step.action and hits[0].source == "real"
     assert not buffer.retrieve(step.state, step.action, environment="miniwob", k=3)
+
+
+def test_annotate_stage_traces_every_transition_deterministically(onboarded):
+    from components.annotation import read_annotated
+
+    run("dreamgym", "stage", "annotate", cwd=onboarded)
+    path = onboarded / "annotated" / "transitions.jsonl"
+    first = path.read_bytes()
+    records = read_annotated(path)
+    assert len(records) == 24 * 3  # every step of the 24 three-step demo trajectories
+    assert all(r.reasoning and r.annotator == "deterministic-v1" for r in records)
+    run("dreamgym", "stage", "annotate", cwd=onboarded)
+    assert path.read_bytes() == first  # versioned data: same seed, same bytes

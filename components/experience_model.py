@@ -1,0 +1,769 @@
+"""The experience model M_exp: prompt and target formats, SFT, inference backends, and robust parsing.
+
+Prompt (a system message and a user message, rendered with the tokenizer's chat template):
+
+    system: what the model simulates and the exact reply format
+    user:   Task (environment): <instruction>
+            Similar transitions:            <- top-k retrieved examples; absent with use_retrieval off or none found
+            Example 1
+            State: <clipped>  Action: <a>  Next state: <clipped>  Reward: 0, done: false
+            Recent history (oldest first):  <- at most history_length (state, action) pairs, states clipped
+            Current state: <state>
+            Action: <action>
+
+Target (the assistant reply), strict and parseable:
+
+    <reasoning>
+    why the action leads to the next state and the reward
+    </reasoning>
+    <next_state>
+    the full next state, verbatim
+    </next_state>
+    <reward>0</reward>
+    <done>false</done>
+
+With use_reasoning off the reasoning section is absent. Reasoning comes first so the next state is generated
+conditioned on it: that is the paper's joint objective, and the loss covers the whole reply (prompt tokens masked).
+`format_target` and `parse_prediction` are exact inverses (a state round-trips byte for byte).
+
+Inference goes through `ExperienceModelBackend.generate` (Hugging Face batched `generate` by default; vLLM and any
+OpenAI-compatible endpoint behind the same seam). `predict` never raises on bad model output: it retries unparsable
+replies with sampling, then falls back (see `fallback_prediction`) and counts it in `PredictionStats`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from components.annotation import AnnotatedTransition
+from components.contract import Task
+from components.replay_buffer import Retrieved
+
+if TYPE_CHECKING:  # heavy imports (torch, transformers, datasets) happen inside the functions that need them
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+Prompt = str | list[Message]  # a rendered prompt string, or chat messages to render with the chat template
+
+
+# ---- settings -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """What goes into a prompt and a target. The same values must be used for training and for inference."""
+
+    use_reasoning: bool = True  # ablation: the target carries a reasoning section
+    use_retrieval: bool = True  # ablation: the prompt carries retrieved examples
+    history_length: int = 3  # earlier (state, action) pairs shown, most recent last
+    top_k: int = 3  # retrieved examples shown
+    max_state_chars: int = 4000  # the current state (and the target's next state is never cut)
+    history_state_chars: int = 120  # each history state: history is mostly context for the actions
+    example_state_chars: int = 300  # each retrieved example's state and next state
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    # "all-linear": every linear layer but the output head, i.e. the attention and MLP projections of any
+    # architecture (q/k/v/o, gate/up/down for Llama-style models), without listing module names per model.
+    target_modules: str | tuple[str, ...] = "all-linear"
+    # Adapt only the top N transformer layers (None: all). Backpropagation then stops N layers down, which is most
+    # of the cost of a step on CPU; the lower layers keep their pretrained features.
+    top_layers: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides epochs (smoke runs, fixed budgets)
+    learning_rate: float = 2e-4
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_seq_len: int = 1536  # longer examples are left out (counted), never cut: a cut target teaches broken replies
+    lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
+    merge_lora: bool = True  # save a plain model (loads anywhere, vLLM included) instead of an adapter
+    # "auto": bf16 autocast where the hardware has bf16 matrix units (recent GPUs; CPUs with AMX or AVX512-BF16),
+    # else fp32. Forcing bf16 on a CPU without them is ~10-40x slower than fp32 (it is emulated).
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Recompute activations in the backward pass: ~30% more compute for much less memory (SmolLM2-135M, batch 4 of
+    # ~1,300 tokens, LoRA on all layers, fp32: 21 GB peak without it; LoRA on the top 8 layers: 9 GB).
+    activation_checkpointing: bool = False
+    warmup: float = 0.03  # a ratio of total steps (< 1) or a number of steps
+    logging_steps: int = 5
+    save_steps: int = 50
+    save_total_limit: int = 2
+    seed: int = 0
+
+
+# ---- prompt and target ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExperienceQuery:
+    """One request to the experience model: what the agent did, and the context to predict its outcome in."""
+
+    task: Task
+    state: str
+    action: str
+    history: Sequence[tuple[str, str]] = ()  # earlier (state, action) pairs, oldest first
+    examples: Sequence[Retrieved] = ()  # retrieved similar transitions, best first
+
+
+def system_message(fmt: PromptFormat) -> str:
+    reply = "<next_state>\nthe full next state\n</next_state>\n<reward>a number</reward>\n<done>true or false</done>"
+    if fmt.use_reasoning:
+        reply = "<reasoning>\nwhy the action leads to the next state and the reward\n</reasoning>\n" + reply
+    return (
+        "You simulate a text environment. Given the task, the recent history, the current state and the agent's "
+        "action, predict what the environment returns. An invalid action leaves the state unchanged with reward 0. "
+        f"Reply in exactly this format:\n{reply}"
+    )
+
+
+def build_messages(query: ExperienceQuery, fmt: PromptFormat) -> list[Message]:
+    parts = [f"Task ({query.task.environment}): {query.task.instruction}"]
+    examples = _distinct(query.examples)[: fmt.top_k] if fmt.use_retrieval else []
+    if examples:
+        lines = ["Similar transitions:"]
+        for number, ex in enumerate(examples, 1):
+            lines += [
+                f"Example {number}",
+                f"State: {clip(ex.state, fmt.example_state_chars)}",
+                f"Action: {ex.action}",
+                f"Next state: {clip(ex.next_state, fmt.example_state_chars)}",
+                f"Reward: {format_reward(ex.reward)}, done: {format_done(ex.done)}",
+            ]
+        parts.append("\n".join(lines))
+    history = list(query.history)[-fmt.history_length:] if fmt.history_length > 0 else []
+    if history:
+        lines = ["Recent history (oldest first):"]
+        for state, action in history:
+            lines += [f"State: {clip(state, fmt.history_state_chars)}", f"Action: {action}"]
+        parts.append("\n".join(lines))
+    else:
+        parts.append("Recent history: none, this is the first step.")
+    parts.append(f"Current state:\n{clip(query.state, fmt.max_state_chars)}")
+    parts.append(f"Action: {query.action}")
+    return [{"role": "system", "content": system_message(fmt)}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def _distinct(examples: Sequence[Retrieved]) -> list[Retrieved]:
+    """Drop repeats: seed sets hold the same transition many times (expert and noisy runs of one task), and three
+    copies of one example cost three times the tokens for the information of one."""
+    seen, kept = set(), []
+    for ex in examples:
+        key = (ex.state, ex.action, ex.next_state, ex.reward, ex.done)
+        if key not in seen:
+            seen.add(key)
+            kept.append(ex)
+    return kept
+
+
+def clip(text: str, limit: int) -> str:
+    """Keep the head and the tail of a long text: states often put the goal first and the inventory last."""
+    if len(text) <= limit:
+        return text
+    marker = f" [... {len(text) - limit} chars cut ...] "
+    keep = max(limit - len(marker), 0)
+    head = keep // 2
+    return text[:head] + marker + text[len(text) - (keep - head):]
+
+
+def format_reward(reward: float) -> str:
+    return f"{reward:g}"  # 0.0 -> "0", 1.0 -> "1", 0.25 -> "0.25": short, and float() reads it back exactly
+
+
+def format_done(done: bool) -> str:
+    return "true" if done else "false"
+
+
+def format_target(next_state: str, reward: float, done: bool, reasoning: str | None = None) -> str:
+    target = ""
+    if reasoning is not None:
+        target += f"<reasoning>\n{reasoning.strip()}\n</reasoning>\n"
+    return target + (
+        f"<next_state>\n{next_state}\n</next_state>\n"
+        f"<reward>{format_reward(reward)}</reward>\n"
+        f"<done>{format_done(done)}</done>"
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    next_state: str
+    reward: float
+    done: bool
+    reasoning: str | None = None
+    fallback: bool = False  # True: the model gave no parsable reply, this is `fallback_prediction`
+    attempts: int = 1  # generations it took (1 + retries)
+
+
+# The whole reply up to the first </done>; anything after it is ignored (a model may run on before it stops).
+# Non-greedy next_state with optional newlines around it: the exact inverse of format_target.
+_TARGET = re.compile(
+    r"\s*(?:<reasoning>(?P<reasoning>.*?)</reasoning>\s*)?"
+    r"<next_state>\n?(?P<next_state>.*?)\n?</next_state>\s*"
+    r"<reward>(?P<reward>[^<]*)</reward>\s*"
+    r"<done>(?P<done>[^<]*)</done>",
+    re.DOTALL,
+)
+
+
+def parse_prediction(text: str) -> Prediction | None:
+    """The prediction in a reply, or None if the reply breaks the format in any way (never raises)."""
+    if not isinstance(text, str):
+        return None
+    end = text.find("</done>")
+    if end < 0:
+        return None
+    match = _TARGET.fullmatch(text[: end + len("</done>")])
+    if match is None or not match["next_state"].strip():
+        return None
+    try:
+        reward = float(match["reward"].strip())
+    except ValueError:
+        return None
+    if not math.isfinite(reward):
+        return None
+    done = match["done"].strip().lower()
+    if done not in ("true", "false"):
+        return None
+    reasoning = match["reasoning"].strip() if match["reasoning"] is not None else None
+    return Prediction(match["next_state"], reward, done == "true", reasoning)
+
+
+# ---- SFT data -------------------------------------------------------------------------------------------------
+
+RetrieveFn = Callable[[ExperienceQuery, int], Sequence[Retrieved]]
+
+
+def sft_examples(
+    annotated: Sequence[AnnotatedTransition],
+    retrieve_fn: RetrieveFn | None,
+    fmt: PromptFormat,
+) -> Dataset:
+    """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
+
+    History is rebuilt from the earlier steps of each transition's trajectory. Retrieved examples from the
+    transition's own trajectory are dropped: the buffer holds the seed data itself, and a model trained next to its
+    own answer learns to copy instead of to simulate. Extra columns (trajectory_id, step_index) are for inspection.
+    """
+    from datasets import Dataset
+
+    by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
+    for record in annotated:
+        by_trajectory[record.trajectory_id].append(record)
+    for steps in by_trajectory.values():
+        steps.sort(key=lambda r: r.step_index)
+
+    rows = []
+    for record in annotated:
+        earlier = [s for s in by_trajectory[record.trajectory_id] if s.step_index < record.step_index]
+        history = [(s.state, s.action) for s in earlier][-fmt.history_length:] if fmt.history_length > 0 else []
+        query = ExperienceQuery(record.task, record.state, record.action, tuple(history))
+        if fmt.use_retrieval and retrieve_fn is not None and fmt.top_k > 0:
+            # Over-fetch so that dropping the transition's own trajectory and repeats still leaves top_k examples.
+            found = retrieve_fn(query, 4 * fmt.top_k)
+            others = _distinct([ex for ex in found if ex.trajectory_id != record.trajectory_id])[: fmt.top_k]
+            query = replace(query, examples=tuple(others))
+        target = format_target(record.next_state, record.reward, record.done,
+                               record.reasoning if fmt.use_reasoning else None)
+        rows.append({
+            "prompt": build_messages(query, fmt),
+            "completion": [{"role": "assistant", "content": target}],
+            "trajectory_id": record.trajectory_id,
+            "step_index": record.step_index,
+        })
+    return Dataset.from_list(rows)
+
+
+def token_lengths(dataset: Dataset, tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, int]]:
+    """(prompt tokens, completion tokens) per example, as SFTTrainer will see them (for max_seq_len and reports)."""
+    lengths = []
+    for row in dataset:
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        lengths.append((n_prompt, len(tokenizer(full, add_special_tokens=False)["input_ids"]) - n_prompt))
+    return lengths
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    model_dir: Path  # loads with load_experience_model (a plain model, or an adapter when merge_lora is off)
+    global_step: int
+    examples: int  # trained on
+    too_long: int  # left out: longer than max_seq_len tokens
+    train_loss: float | None
+    resumed_from: str | None
+    seconds: float
+
+
+def train_experience_model(
+    dataset: Dataset,
+    base_model: str,
+    output_dir: str | Path,
+    settings: TrainingSettings,
+    cache_dir: str | Path = ".cache/models",
+) -> TrainingResult:
+    """SFT `base_model` (packaged alias, hub id or local path) on `dataset` with TRL's SFTTrainer.
+
+    Layout: `output_dir/checkpoints/` holds the trainer's checkpoints; a rerun with the same data and settings resumes
+    from the last one (a stopped job loses at most `save_steps` steps), and a rerun with different data or settings
+    starts over. `output_dir/model/` is the result, written only once training finished.
+    """
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import SFTConfig, SFTTrainer
+
+    from components.models import CHATML_TEMPLATE, load_causal_lm
+
+    output_dir = Path(output_dir)
+    checkpoints = output_dir / "checkpoints"
+    dataset = dataset.select_columns(["prompt", "completion"])
+    _reset_stale_checkpoints(checkpoints, _fingerprint(dataset, base_model, settings))
+
+    # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
+    model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")
+    if tokenizer.chat_template is None:  # a base model: give it ChatML, saved with the tokenizer for inference
+        tokenizer.chat_template = CHATML_TEMPLATE
+    fits = [i for i, (p, c) in enumerate(token_lengths(dataset, tokenizer)) if p + c <= settings.max_seq_len]
+    too_long = len(dataset) - len(fits)
+    if too_long:
+        log.warning("%d of %d examples exceed max_seq_len=%d tokens and are left out", too_long, len(dataset),
+                    settings.max_seq_len)
+        dataset = dataset.select(fits)
+    if not fits:
+        raise ValueError(f"no example fits in max_seq_len={settings.max_seq_len} tokens: raise it or shorten prompts")
+
+    args = SFTConfig(
+        output_dir=str(checkpoints),
+        num_train_epochs=settings.epochs,
+        max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.warmup,
+        max_length=settings.max_seq_len,
+        completion_only_loss=True,
+        bf16=resolve_precision(settings.precision) == "bf16",
+        use_cpu=not torch.cuda.is_available(),  # transformers refuses bf16 without a GPU unless told it is a CPU
+        activation_checkpointing=settings.activation_checkpointing,  # TRL's default is on: we choose explicitly
+        dataloader_pin_memory=torch.cuda.is_available(),
+        logging_steps=settings.logging_steps,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        save_total_limit=settings.save_total_limit,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        report_to="none",
+        disable_tqdm=True,  # _progress_log writes step, loss and ETA as log lines (readable in DVC and Prefect logs)
+    )
+    peft_config = None
+    if settings.lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=settings.lora.r,
+            lora_alpha=settings.lora.alpha,
+            lora_dropout=settings.lora.dropout,
+            target_modules=_lora_targets(model, settings.lora),
+            task_type="CAUSAL_LM",
+        )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[_progress_log()],
+    )
+
+    resume = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    if resume:
+        log.info("resuming from %s", resume)
+    started = time.monotonic()
+    output = trainer.train(resume_from_checkpoint=resume)
+
+    trained = trainer.model
+    if settings.lora is not None and settings.merge_lora:
+        trained = trained.merge_and_unload()
+    model_dir = output_dir / "model"
+    tmp = output_dir / ".model.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trained.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp.rename(model_dir)  # a half-written model never sits at model_dir
+    return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
+                          output.metrics.get("train_loss"), resume, time.monotonic() - started)
+
+
+def _lora_targets(model: PreTrainedModel, lora: LoraSettings) -> str | list[str]:
+    """LoRA's target modules; with `top_layers`, the full names of the matching linear layers in the top layers.
+
+    (peft refuses `layers_to_transform` together with "all-linear", so the top-layer selection is done here: the
+    first number in a module's name is its layer index in Hugging Face decoders, e.g. `model.layers.29.mlp.up_proj`.)
+    """
+    wanted = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    if lora.top_layers is None:
+        return wanted
+    import torch
+
+    first = model.config.num_hidden_layers - lora.top_layers
+    head = model.get_output_embeddings()
+    names = []
+    for name, module in model.named_modules():
+        layer = re.search(r"\.(\d+)\.", name)
+        if not isinstance(module, torch.nn.Linear) or module is head or layer is None or int(layer[1]) < first:
+            continue
+        if wanted == "all-linear" or name.rsplit(".", 1)[-1] in wanted:
+            names.append(name)
+    if not names:
+        raise ValueError(f"LoRA: no linear layers match {wanted!r} in the top {lora.top_layers} layers")
+    return names
+
+
+def resolve_precision(precision: Literal["auto", "fp32", "bf16"]) -> Literal["fp32", "bf16"]:
+    if precision != "auto":
+        return precision
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    try:  # Linux CPU flags: bf16 matrix instructions, not merely AVX2 (where torch emulates bf16 matmuls)
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) else "fp32"
+
+
+def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings) -> str:
+    digest = hashlib.sha256(json.dumps([base_model, asdict(settings)], sort_keys=True, default=str).encode())
+    for row in dataset:
+        digest.update(json.dumps(row, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _reset_stale_checkpoints(checkpoints: Path, fingerprint: str) -> None:
+    """Resuming is only correct for the same data and settings; anything else starts from the base model."""
+    stamp = checkpoints / "fingerprint.txt"
+    if checkpoints.is_dir() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
+        log.info("checkpoints in %s are for other data or settings: starting over", checkpoints)
+        shutil.rmtree(checkpoints)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint + "\n")
+
+
+def _progress_log() -> Any:
+    """A TrainerCallback that logs step, loss, learning rate and ETA (the pace of this run, resumed steps excluded)."""
+    from transformers import TrainerCallback  # here, not at module level: importing transformers takes seconds
+
+    class ProgressLog(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.start, self.first_step = time.monotonic(), state.global_step
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+                   **kwargs: Any) -> None:
+            if not logs or "loss" not in logs:
+                return
+            done = state.global_step - self.first_step
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / done * (state.max_steps - state.global_step) if done else float("nan")
+            log.info("step %d/%d loss %.4f lr %.2e | %.1fs/step, ETA %.0fs", state.global_step, state.max_steps,
+                     logs["loss"], logs.get("learning_rate", float("nan")), elapsed / max(done, 1), eta)
+
+    return ProgressLog()
+
+
+def load_experience_model(
+    model_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32", device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load what `train_experience_model` saved: a plain (merged or fully fine-tuned) model, or a LoRA adapter."""
+    from components.models import load_causal_lm
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "adapter_config.json").is_file():
+        return load_causal_lm(str(model_dir), cache_dir=model_dir.parent, dtype=dtype, device=device)
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device), tokenizer
+
+
+# ---- inference backends ---------------------------------------------------------------------------------------
+
+
+class BackendError(RuntimeError):
+    """A backend could not produce replies at all (an endpoint down, a refused request)."""
+
+
+class ExperienceModelBackend(Protocol):
+    """Turns prompts into replies, one per prompt, in order. Chat messages get the model's chat template."""
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float) -> list[str]: ...
+
+
+class HFGenerationBackend:
+    """Batched `model.generate` with left padding: the default, on CPU or one GPU.
+
+    Prompts are sorted by length before batching, so each batch pads little; replies come back in input order.
+    temperature 0 is greedy decoding (reproducible); above 0 samples.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 8) -> None:
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        import torch
+
+        encoded = [self._encode(p) for p in prompts]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        replies: list[str] = [""] * len(encoded)
+        self.model.eval()
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start: start + self.batch_size]
+            inputs = self.tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding_side="left",
+                                        return_tensors="pt").to(self.model.device)
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
+                if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            with torch.inference_mode():
+                output = self.model.generate(**inputs, max_new_tokens=max_new_tokens,
+                                             pad_token_id=self.tokenizer.pad_token_id, **sampling)
+            new_tokens = output[:, inputs["input_ids"].shape[1]:]
+            for i, text in zip(batch, self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
+                replies[i] = text
+        return replies
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):  # already a full prompt: the tokenizer adds BOS where the model wants one
+            return self.tokenizer(prompt)["input_ids"]
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has them
+
+
+class OpenAICompatibleBackend:
+    """Any OpenAI-compatible server (vLLM `serve`, TGI, llama.cpp server, a hosted API) over plain HTTP.
+
+    Chat messages go to `{base_url}/chat/completions`, plain strings to `{base_url}/completions`. Requests run
+    `concurrency` at a time, since servers batch concurrent requests themselves. Connection errors, timeouts, 429
+    and 5xx are retried with exponential backoff; other HTTP errors (a wrong model name, a bad key) fail at once.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        concurrency: int = 8,
+        backoff_s: float = 1.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        self.timeout_s, self.max_retries, self.concurrency = timeout_s, max_retries, concurrency
+        self.backoff_s = backoff_s
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        def one(prompt: Prompt) -> str:
+            body: dict[str, Any] = {"model": self.model, "max_tokens": max_new_tokens, "temperature": temperature}
+            if isinstance(prompt, str):
+                reply = self._post("/completions", {**body, "prompt": prompt})
+                return reply["choices"][0]["text"] or ""
+            reply = self._post("/chat/completions", {**body, "messages": prompt})
+            return reply["choices"][0]["message"]["content"] or ""
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            return list(pool.map(one, prompts))
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), headers, method="POST")
+        for attempt in range(self.max_retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                if error.code != 429 and error.code < 500 or attempt == self.max_retries:
+                    detail = error.read()[:500].decode(errors="replace")
+                    raise BackendError(f"{self.base_url}{path}: HTTP {error.code}: {detail}") from error
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                if attempt == self.max_retries:
+                    raise BackendError(f"{self.base_url}{path}: {error}") from error
+            time.sleep(min(self.backoff_s * 2.0**attempt, 30.0))
+        raise AssertionError("unreachable")
+
+
+class VLLMBackend:
+    """vLLM offline inference (GPU): `LLM(model_dir).chat(...)`. A seam for machines that have vLLM installed.
+
+    vLLM is imported only here, so the rest of the project never needs it. To share one served model among many
+    rollout workers instead, run `vllm serve MODEL_DIR` and use `OpenAICompatibleBackend("http://host:8000/v1", ...)`.
+    """
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise ImportError(
+                "the 'vllm' backend needs the vllm package and a GPU: pip install vllm "
+                "(or serve the model elsewhere and use the 'openai' backend)"
+            ) from error
+        self.llm = LLM(model=model, **engine_kwargs)
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
+        replies: list[str] = [""] * len(prompts)
+        chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if chats:
+            for i, out in zip(chats, self.llm.chat([prompts[i] for i in chats], params), strict=True):
+                replies[i] = out.outputs[0].text
+        if texts:
+            for i, out in zip(texts, self.llm.generate([prompts[i] for i in texts], params), strict=True):
+                replies[i] = out.outputs[0].text
+        return replies
+
+
+def make_backend(
+    kind: Literal["hf", "vllm", "openai"],
+    model: str,
+    batch_size: int = 8,
+    base_url: str | None = None,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+) -> ExperienceModelBackend:
+    """The backend params.yaml names: `model` is a trained model directory (hf, vllm) or the served name (openai)."""
+    if kind == "hf":
+        lm, tokenizer = load_experience_model(model, dtype=dtype)
+        return HFGenerationBackend(lm, tokenizer, batch_size=batch_size)
+    if kind == "vllm":
+        return VLLMBackend(model)
+    if kind == "openai":
+        if not base_url:
+            raise ValueError("the 'openai' backend needs base_url (e.g. http://127.0.0.1:8000/v1)")
+        return OpenAICompatibleBackend(base_url, model)
+    raise ValueError(f"unknown backend {kind!r}: expected 'hf', 'vllm' or 'openai'")
+
+
+# ---- prediction with retries and fallback ---------------------------------------------------------------------
+
+# Appended to the unchanged state when the model gave nothing usable. The policy sees an environment that did not
+# react (as real environments answer an unrecognised command), and the rollout goes on.
+FALLBACK_NOTE = "[no effect: the environment did not respond to this action]"
+
+
+def fallback_prediction(query: ExperienceQuery, attempts: int) -> Prediction:
+    """The outcome used when every reply was unparsable: state unchanged (plus FALLBACK_NOTE), reward 0, not done.
+
+    Why these values: reward 0 never credits the policy for the simulator's failure; not-done keeps the episode's
+    length in the hands of the rollout's step cap instead of ending it with a made-up outcome; an unchanged state
+    is the least-informative honest answer. `Prediction.fallback` and `PredictionStats` tell them apart.
+    """
+    return Prediction(f"{query.state}\n{FALLBACK_NOTE}", 0.0, False, None, fallback=True, attempts=attempts)
+
+
+@dataclass
+class PredictionStats:
+    """Counters across `predict` calls: pass one object to every call of a run and report `as_dict()`."""
+
+    requests: int = 0
+    generations: int = 0
+    retries: int = 0  # generations beyond each request's first
+    fallbacks: int = 0
+    backend_errors: int = 0  # generate() calls that raised (each costs its batch one attempt)
+
+    @property
+    def fallback_rate(self) -> float:
+        return self.fallbacks / self.requests if self.requests else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "fallback_rate": self.fallback_rate}
+
+
+def predict(
+    backend: ExperienceModelBackend,
+    queries: Sequence[ExperienceQuery],
+    fmt: PromptFormat,
+    retries: int = 1,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    retry_temperature: float = 0.7,
+    stats: PredictionStats | None = None,
+) -> list[Prediction]:
+    """One prediction per query, in order; never raises on bad output or a failing backend.
+
+    The first attempt uses `temperature` (0: greedy); the unparsable replies are generated again, up to `retries`
+    times, sampling at `retry_temperature` at least (a greedy retry would repeat the same reply); what still fails
+    gets `fallback_prediction`.
+    """
+    stats = stats if stats is not None else PredictionStats()
+    stats.requests += len(queries)
+    prompts = [build_messages(q, fmt) for q in queries]
+    results: list[Prediction | None] = [None] * len(queries)
+    pending = list(range(len(queries)))
+    for attempt in range(retries + 1):
+        if not pending:
+            break
+        stats.generations += len(pending)
+        if attempt:
+            stats.retries += len(pending)
+        heat = temperature if attempt == 0 else max(temperature, retry_temperature)
+        try:
+            replies = backend.generate([prompts[i] for i in pending], max_new_tokens=max_new_tokens, temperature=heat)
+            if len(replies) != len(pending):
+                raise BackendError(f"{len(replies)} replies for {len(pending)} prompts")
+        except Exception as error:  # noqa: BLE001  (a rollout must survive a backend hiccup)
+            stats.backend_errors += 1
+            log.warning("experience model backend failed (attempt %d): %s", attempt + 1, error)
+            continue
+        still = []
+        for i, reply in zip(pending, replies, strict=True):
+            parsed = parse_prediction(reply)
+            if parsed is None:
+                still.append(i)
+            else:
+                results[i] = replace(parsed, attempts=attempt + 1)
+        pending = still
+    for i in pending:
+        stats.fallbacks += 1
+        results[i] = fallback_prediction(queries[i], attempts=retries + 1)
+    if pending:
+        log.info("experience model: %d of %d replies unparsable after %d attempts, fell back",
+                 len(pending), len(queries), retries + 1)
+    return [r for r in results if r is not None]

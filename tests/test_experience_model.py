@@ -1,0 +1,400 @@
+"""components/annotation.py and components/experience_model.py: traces, prompt/target format, parsing, retries and
+fallback, the three inference backends' seams, and one real SFT step on the tiny model."""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from components.annotation import (
+    DETERMINISTIC,
+    HFTeacher,
+    annotate,
+    annotation_summary,
+    deterministic_trace,
+    read_annotated,
+    write_annotated,
+)
+from components.contract import Step, Task, Trajectory
+from components.experience_model import (
+    FALLBACK_NOTE,
+    BackendError,
+    ExperienceQuery,
+    HFGenerationBackend,
+    LoraSettings,
+    OpenAICompatibleBackend,
+    PredictionStats,
+    PromptFormat,
+    TrainingSettings,
+    VLLMBackend,
+    _lora_targets,
+    build_messages,
+    format_target,
+    load_experience_model,
+    parse_prediction,
+    predict,
+    sft_examples,
+    train_experience_model,
+)
+from components.models import build_tiny_causal_lm
+from components.replay_buffer import Retrieved
+
+TASK = Task("tw-r1-s1", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")
+KITCHEN = "Observation:\nYou are in a kitchen. You see a closed fridge.\nInventory: You are carrying nothing."
+OPEN = "Observation:\nYou open the fridge, revealing a red potato.\nInventory: You are carrying nothing."
+TAKEN = "Observation:\nYou take the red potato from the fridge.\nInventory: You are carrying: a red potato."
+EATEN = "Observation:\nYou eat the meal. Not bad.\n*** The End ***\nInventory: You are carrying nothing."
+
+
+def _step(state: str, action: str, next_state: str, reward: float = 0.0, done: bool = False, **info) -> Step:
+    return Step(state, action, next_state, reward, done, dict(info))
+
+
+def _trajectory(trajectory_id: str = "tw-1", task: Task = TASK) -> Trajectory:
+    steps = [
+        _step(KITCHEN, "open fridge", OPEN, score=0, max_score=2, valid_action=True),
+        _step(OPEN, "take red potato from fridge", TAKEN, score=1, max_score=2, valid_action=True),
+        _step(TAKEN, "eat meal", EATEN, 1.0, True, score=2, max_score=2, valid_action=True, won=True),
+    ]
+    return Trajectory(trajectory_id, task, steps, success=True, return_=1.0, source="expert")
+
+
+def _retrieved(trajectory_id: str, step_index: int = 0, action: str = "open fridge") -> Retrieved:
+    return Retrieved("textworld-cooking", "tw-r1-s2", trajectory_id, step_index, KITCHEN, action, OPEN, 0.0, False,
+                     "real", "expert", 0.9)
+
+
+# ---- deterministic traces -------------------------------------------------------------------------------------
+
+
+def test_trace_names_action_changes_progress_and_reward():
+    trace = deterministic_trace(_trajectory().steps[1], previous_info={"score": 0})
+
+    assert "'take red potato from fridge'" in trace and "verb 'take'" in trace
+    assert "accepted" in trace
+    assert "Inventory went from 'You are carrying nothing.' to 'You are carrying: a red potato.'" in trace
+    assert "New: 'You take the red potato from the fridge.'" in trace
+    assert "Gone: 'You open the fridge, revealing a red potato.'" in trace
+    assert "score rose from 0 to 1 of 2" in trace
+    assert "Reward 0" in trace and "goes on" in trace
+
+
+def test_trace_explains_success_and_failure_endings():
+    win = deterministic_trace(_trajectory().steps[2], previous_info={"score": 1})
+    assert "Reward 1" in win and "ends in success" in win and "'*** The End ***'" in win
+
+    lost = deterministic_trace(_step(TAKEN, "eat red potato", EATEN, 0.0, True, lost=True))
+    assert "Reward 0" in lost and "the game is lost" in lost
+
+
+def test_trace_for_an_invalid_action_and_a_web_element():
+    state = 'Task: Click the OK button.\n[3] button "OK"\n[4] button "Cancel"'
+    invalid = deterministic_trace(_step(state, "click [9]", state, valid_action=False))
+    assert "rejected it as invalid, so nothing changed" in invalid
+    assert "New:" not in invalid and "Gone:" not in invalid
+
+    valid = deterministic_trace(_step(state, "click [3]", state + "\ntext \"Done\"", valid_action=True))
+    assert "Element [3] is 'button \"OK\"'" in valid and "accepted" in valid
+
+
+def test_annotate_is_deterministic_and_round_trips(tmp_path: Path):
+    records = annotate([_trajectory("tw-1"), _trajectory("tw-2")])
+    order = [(r.trajectory_id, r.step_index) for r in records]
+    assert order[:4] == [("tw-1", 0), ("tw-1", 1), ("tw-1", 2), ("tw-2", 0)]
+    assert all(r.annotator == DETERMINISTIC and r.reasoning for r in records)
+    assert "score rose from 0 to 1" in records[1].reasoning  # previous step's info is used
+
+    write_annotated(records, tmp_path / "a.jsonl")
+    write_annotated(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), tmp_path / "b.jsonl")
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert read_annotated(tmp_path / "a.jsonl") == records
+
+
+def test_teacher_replies_are_used_and_unusable_ones_fall_back():
+    class HalfTeacher:  # a test double: the unit under test is how annotate() uses replies
+        name = "fake-teacher"
+
+        def explain(self, transitions):
+            return ["Opening <next_state>the fridge</next_state> reveals it." if t.step_index == 0 else None
+                    for t in transitions]
+
+    records = annotate([_trajectory()], teacher=HalfTeacher())
+    assert records[0].annotator == "fake-teacher"
+    assert "<next_state>" not in records[0].reasoning  # tags that would break the target format are removed
+    assert records[1].annotator == DETERMINISTIC
+    assert annotation_summary(records, "fake-teacher")["teacher_fallbacks"] == 2
+
+    class DeadTeacher:
+        name = "dead"
+
+        def explain(self, transitions):
+            raise ConnectionError("endpoint down")
+
+    assert all(r.annotator == DETERMINISTIC for r in annotate([_trajectory()], teacher=DeadTeacher()))
+
+
+# ---- prompt, target, parser -----------------------------------------------------------------------------------
+
+
+def test_prompt_holds_task_bounded_history_and_examples_by_switch():
+    history = [(f"state {i}", f"action {i}") for i in range(6)]
+    query = ExperienceQuery(TASK, KITCHEN, "open fridge", history, (_retrieved("tw-9"), _retrieved("tw-8")))
+    system, user = build_messages(query, PromptFormat(history_length=2, top_k=1))
+
+    assert system["role"] == "system" and "<reasoning>" in system["content"]
+    assert TASK.instruction in user["content"] and "textworld-cooking" in user["content"]
+    assert "action 5" in user["content"] and "action 4" in user["content"] and "action 3" not in user["content"]
+    assert user["content"].count("Example ") == 1  # top_k
+    assert user["content"].rstrip().endswith("Action: open fridge")
+
+    _, no_retrieval = build_messages(query, PromptFormat(use_retrieval=False, use_reasoning=False))
+    assert "Similar transitions" not in no_retrieval["content"]
+    first = build_messages(ExperienceQuery(TASK, KITCHEN, "open fridge"), PromptFormat())[1]["content"]
+    assert "first step" in first
+
+    long_state = "Goal: cook.\n" + "x" * 5000 + "\nInventory: a knife."
+    clipped = build_messages(ExperienceQuery(TASK, long_state, "look"), PromptFormat(max_state_chars=300))[1]
+    assert "chars cut" in clipped["content"] and "Goal: cook." in clipped["content"]
+    assert "Inventory: a knife." in clipped["content"]
+
+
+@pytest.mark.parametrize("reasoning", ["Opening the fridge shows what is inside.", None])
+def test_target_round_trips_through_the_parser(reasoning):
+    state = "  Line one\n\nLine with <b>markup</b> and trailing space  \n"
+    parsed = parse_prediction(format_target(state, 0.5, True, reasoning))
+
+    assert parsed is not None
+    assert (parsed.next_state, parsed.reward, parsed.done, parsed.reasoning) == (state, 0.5, True, reasoning)
+    # What a model tends to add around an answer: a trailing end-of-turn or extra text after </done>.
+    assert parse_prediction(format_target(state, -1.0, False, reasoning) + "<|im_end|>\nmore") is not None
+
+
+@pytest.mark.parametrize("reply", [
+    "",
+    "The fridge opens.",
+    "<next_state>\nX\n</next_state>\n<reward>0</reward>",  # no done
+    "<next_state>\nX\n<reward>0</reward>\n<done>false</done>",  # next_state not closed
+    "<reward>0</reward>\n<done>false</done>",  # no next_state
+    "<next_state>\nX\n</next_state>\n<reward>zero</reward>\n<done>false</done>",
+    "<next_state>\nX\n</next_state>\n<reward>nan</reward>\n<done>false</done>",
+    "<next_state>\nX\n</next_state>\n<reward>0</reward>\n<done>maybe</done>",
+    "<next_state>\n \n</next_state>\n<reward>0</reward>\n<done>false</done>",  # empty state
+    "Sure! <next_state>\nX\n</next_state>\n<reward>0</reward>\n<done>false</done>",  # preamble
+    "<reasoning>why</reasoning><done>false</done><next_state>\nX\n</next_state><reward>0</reward>",  # order
+])
+def test_parser_rejects_malformed_replies(reply):
+    assert parse_prediction(reply) is None
+
+
+# ---- predict: retries and fallback ----------------------------------------------------------------------------
+
+
+class ScriptedBackend:
+    """A backend test double: the unit under test is predict()'s parsing, retry and fallback logic."""
+
+    def __init__(self, *rounds):
+        self.rounds, self.calls = list(rounds), []
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        self.calls.append((len(prompts), temperature))
+        reply = self.rounds.pop(0) if self.rounds else "garbage"
+        if isinstance(reply, Exception):
+            raise reply
+        return [reply] * len(prompts)
+
+
+def test_predict_retries_unparsable_output_with_sampling():
+    valid = format_target(OPEN, 0.0, False, "The fridge opens.")
+    backend = ScriptedBackend("garbage", valid)
+    stats = PredictionStats()
+    [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat(), retries=1,
+                           stats=stats)
+
+    assert (prediction.next_state, prediction.attempts, prediction.fallback) == (OPEN, 2, False)
+    assert backend.calls == [(1, 0.0), (1, 0.7)]  # greedy first, sampled retry
+    assert (stats.generations, stats.retries, stats.fallbacks) == (2, 1, 0)
+
+
+def test_predict_falls_back_and_counts_without_raising():
+    queries = [ExperienceQuery(TASK, KITCHEN, "open fridge"), ExperienceQuery(TASK, OPEN, "take potato")]
+    stats = PredictionStats()
+    predictions = predict(ScriptedBackend(BackendError("down"), "garbage"), queries, PromptFormat(), retries=1,
+                          stats=stats)
+    predictions += predict(ScriptedBackend(), queries[:1], PromptFormat(), retries=0, stats=stats)
+
+    assert [p.fallback for p in predictions] == [True, True, True]
+    assert predictions[1].next_state == f"{OPEN}\n{FALLBACK_NOTE}"
+    assert (predictions[1].reward, predictions[1].done) == (0.0, False)
+    assert stats.as_dict() == {"requests": 3, "generations": 5, "retries": 2, "fallbacks": 3,
+                                    "backend_errors": 1, "fallback_rate": 1.0}
+
+
+# ---- SFT data -------------------------------------------------------------------------------------------------
+
+
+def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
+    records = annotate([_trajectory("tw-1"), _trajectory("tw-2")])
+    asked = []
+
+    def retrieve(query, k):
+        asked.append(k)
+        return [_retrieved("tw-1", 0, "own action"), _retrieved("tw-2", 0, "other action"), _retrieved("tw-3", 1)]
+
+    dataset = sft_examples(records, retrieve, PromptFormat(history_length=1, top_k=1))
+    row = dataset[2]  # tw-1, step 2
+    user = row["prompt"][1]["content"]
+    examples, rest = user.split("Recent history")
+    history, current = rest.split("Current state")
+    assert "Action: take red potato from fridge" in history and "open fridge" not in history  # history_length 1
+    assert "Action: eat meal" in current
+    assert "Example 1" in examples and "Example 2" not in examples and asked[0] > 1
+    assert "other action" in examples and "own action" not in examples
+    parsed = parse_prediction(row["completion"][0]["content"])
+    assert parsed is not None and parsed.done and parsed.reward == 1.0 and "success" in parsed.reasoning
+
+    plain = sft_examples(records, retrieve, PromptFormat(use_retrieval=False, use_reasoning=False))
+    assert "Similar transitions" not in plain[0]["prompt"][1]["content"]
+    assert parse_prediction(plain[0]["completion"][0]["content"]).reasoning is None
+
+
+# ---- backends -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    records = annotate([_trajectory()])
+    texts = [json.dumps(r.to_dict()) for r in records] + [format_target(KITCHEN, 0.0, False, "why")] * 3
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    build_tiny_causal_lm(texts, save_dir=path)
+    return path
+
+
+def test_hf_backend_generates_in_batches_like_one_by_one(tiny: Path):
+    model, tokenizer = load_experience_model(tiny)
+    prompts = [build_messages(ExperienceQuery(TASK, s, a), PromptFormat()) for s, a in
+               [(KITCHEN, "open fridge"), (OPEN * 3, "take red potato from fridge"), (TAKEN, "eat meal")]]
+    prompts.append("A raw prompt string")
+
+    batched = HFGenerationBackend(model, tokenizer, batch_size=3).generate(prompts, max_new_tokens=6)
+    single = HFGenerationBackend(model, tokenizer, batch_size=1).generate(prompts, max_new_tokens=6)
+    sampled = HFGenerationBackend(model, tokenizer, batch_size=4).generate(prompts, 6, temperature=1.0)
+
+    assert len(batched) == 4 and all(isinstance(r, str) and r for r in batched)
+    assert batched == single  # left padding leaves every prompt's greedy reply unchanged
+    assert len(sampled) == 4
+
+
+def test_hf_teacher_annotates_with_real_generation(tiny: Path):
+    teacher = HFTeacher(str(tiny), cache_dir=tiny.parent, max_new_tokens=5)
+    records = annotate([_trajectory()], teacher=teacher)
+    assert teacher.name == f"hf:{tiny}"
+    assert all(r.annotator in (teacher.name, DETERMINISTIC) and r.reasoning for r in records)
+
+
+class _ChatServer:
+    """A real HTTP server on 127.0.0.1 that answers like an OpenAI-compatible endpoint (first request: HTTP 503)."""
+
+    def __init__(self, reply: str):
+        self.requests: list[tuple[str, dict, str | None]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, body, self.headers.get("Authorization")))
+                if len(outer.requests) == 1:
+                    self.send_error(503, "warming up")
+                    return
+                choice = {"index": 0, "finish_reason": "stop"}
+                choice |= {"text": reply} if "prompt" in body else {"message": {"role": "assistant", "content": reply}}
+                payload = json.dumps({"id": "x", "object": "chat.completion", "choices": [choice]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_openai_compatible_backend_over_real_http():
+    server = _ChatServer(format_target(OPEN, 0.0, False, "The fridge opens."))
+    try:
+        backend = OpenAICompatibleBackend(server.url, "exp-model", api_key="sk-test", backoff_s=0.01, concurrency=1)
+        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat())
+        [text] = backend.generate(["plain prompt"], max_new_tokens=7, temperature=0.0)
+    finally:
+        server.close()
+
+    assert (prediction.next_state, prediction.fallback) == (OPEN, False)
+    assert parse_prediction(text) is not None
+    path, body, auth = server.requests[1]  # [0] got the 503 and was retried
+    assert path == "/v1/chat/completions" and auth == "Bearer sk-test"
+    assert body["model"] == "exp-model" and body["messages"][0]["role"] == "system"
+    assert server.requests[2][0] == "/v1/completions" and server.requests[2][1]["max_tokens"] == 7
+
+
+def test_vllm_backend_without_vllm_says_how_to_get_it():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install vllm"):
+            VLLMBackend("some/model")
+    else:
+        pytest.skip("vllm is installed here")
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+
+
+def test_one_lora_sft_step_writes_a_model_that_reloads(tiny: Path, tmp_path: Path):
+    dataset = sft_examples(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), None, PromptFormat())
+    lora = LoraSettings(r=4, alpha=8, top_layers=1)
+    settings = TrainingSettings(max_steps=1, batch_size=2, lora=lora, precision="fp32", save_steps=1, logging_steps=1)
+
+    result = train_experience_model(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
+    assert result.global_step == 1 and result.train_loss is not None
+    assert (result.examples, result.too_long) == (6, 0)
+    assert (tmp_path / "exp" / "checkpoints" / "checkpoint-1").is_dir()
+    model, tokenizer = load_experience_model(result.model_dir)
+    assert not (result.model_dir / "adapter_config.json").exists()  # merged into a plain model
+    [reply] = HFGenerationBackend(model, tokenizer).generate([dataset[0]["prompt"]], max_new_tokens=4)
+    assert isinstance(reply, str)
+
+    # Same data and settings: resumes from checkpoint-1 (already at max_steps, so no further step).
+    again = train_experience_model(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
+    assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-1")
+
+
+def test_lora_top_layers_targets_only_the_top_layers(tiny: Path):
+    model, _ = load_experience_model(tiny)
+    targets = _lora_targets(model, LoraSettings(top_layers=1))
+    assert targets and all(".layers.1." in name for name in targets)
+    assert {name.rsplit(".", 1)[1] for name in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"}
+    assert _lora_targets(model, LoraSettings()) == "all-linear"
+
+
+def test_full_fine_tuning_and_the_sequence_bound(tiny: Path, tmp_path: Path):
+    dataset = sft_examples(annotate([_trajectory()]), None, PromptFormat())
+    settings = TrainingSettings(max_steps=1, batch_size=1, lora=None, precision="fp32", max_seq_len=500)
+
+    result = train_experience_model(dataset, str(tiny), tmp_path / "full", settings, cache_dir=tmp_path)
+    assert (result.examples, result.too_long) == (1, 2)  # left out, never cut
+    load_experience_model(result.model_dir)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        train_experience_model(dataset, str(tiny), tmp_path / "none", replace(settings, max_seq_len=10),
+                               cache_dir=tmp_path)
