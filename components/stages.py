@@ -11,7 +11,7 @@ from typing import Any
 
 from components.artifacts import open_artifact_store
 from components.config import Params
-from components.contract import is_heldout_task, read_trajectories, transitions
+from components.contract import Trajectory, is_heldout_task, read_trajectories, transitions
 from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
@@ -19,6 +19,19 @@ from components.validation import Limits, read_raw_records, validate_records
 
 class StageError(RuntimeError):
     """A stage cannot run on what it was given; the message says what to do."""
+
+
+def _by_source(trajectories: list[Trajectory]) -> dict[tuple[str, str], list[Trajectory]]:
+    groups: dict[tuple[str, str], list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        groups[(trajectory.task.environment, trajectory.source)].append(trajectory)
+    return dict(sorted(groups.items()))
+
+
+def _source_table(groups: dict[tuple[str, str], list[Trajectory]]) -> str:
+    rows = [[env, source, len(group), sum(len(t.steps) for t in group) / len(group),
+             sum(t.success for t in group) / len(group)] for (env, source), group in groups.items()]
+    return markdown_table(["environment", "source", "trajectories", "mean steps", "success rate"], rows)
 
 
 def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -34,9 +47,6 @@ def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"first: {first.record.where}: {first.reasons[0]}. Re-onboard the original files.")
     trajectories = [trajectory for _, trajectory in report.accepted]
     quarantine = data_dir / QUARANTINE
-    groups: dict[tuple[str, str], list] = defaultdict(list)
-    for trajectory in trajectories:
-        groups[(trajectory.task.environment, trajectory.source)].append(trajectory)
     metrics = {
         "trajectories": len(trajectories),
         "steps": sum(len(t.steps) for t in trajectories),
@@ -45,13 +55,10 @@ def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
         "success_rate": sum(t.success for t in trajectories) / len(trajectories),
         "trajectories_by_environment": dict(sorted(Counter(t.task.environment for t in trajectories).items())),
     }
-    rows = [[env, source, len(group), sum(len(t.steps) for t in group) / len(group),
-             sum(t.success for t in group) / len(group)] for (env, source), group in sorted(groups.items())]
     text = (f"# Seed data validation\n\n{metrics['trajectories']} trajectories, {metrics['steps']} steps, "
             f"{metrics['tasks']} tasks in `{params.data.dir}/`, all within the contract "
             f"(rewards in {params.data.reward_range}, texts up to {params.data.max_text_length} characters). "
-            f"{metrics['quarantined']} record(s) sit in quarantine.\n\n"
-            + markdown_table(["environment", "source", "trajectories", "mean steps", "success rate"], rows))
+            f"{metrics['quarantined']} record(s) sit in quarantine.\n\n" + _source_table(_by_source(trajectories)))
     write_stage_outputs("validate", metrics, text, root)
     return metrics
 
@@ -63,29 +70,25 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
     root = Path(root)
     environments, seed_only = collectable(params.collect_seed.environments)
     metrics: dict[str, Any] = {"skipped": seed_only}
-    rows = []
+    collected: list[Trajectory] = []
     for environment in environments:
         out_path = root / params.collect_seed.out_dir / f"{environment}.jsonl"
         progress_path = root / ".cache" / "collect_seed" / f"{environment}.jsonl"
         trajectories = collect_environment(params, environment, out_path, progress_path)
-        by_source: dict[str, list] = defaultdict(list)
-        for trajectory in trajectories:
-            by_source[trajectory.source].append(trajectory)
+        collected += trajectories
         metrics[environment] = {
             "trajectories": len(trajectories),
             "steps": sum(len(t.steps) for t in trajectories),
             "success_rate": sum(t.success for t in trajectories) / len(trajectories),
             **{f"success_rate_{source}": sum(t.success for t in group) / len(group)
-               for source, group in sorted(by_source.items())},
+               for (_, source), group in _by_source(trajectories).items()},
         }
-        rows += [[environment, source, len(group), sum(len(t.steps) for t in group) / len(group),
-                  sum(t.success for t in group) / len(group)] for source, group in sorted(by_source.items())]
     settings = params.collect_seed
     text = (f"# Seed collection\n\n{settings.train_tasks} training tasks per environment; per task "
             f"{settings.episodes.expert} expert, {settings.episodes.noisy_expert} noisy-expert "
             f"(epsilon {settings.noisy_epsilon}, source `policy`) and {settings.episodes.random} random episode(s). "
             f"Onboard them with `dreamgym data onboard {settings.out_dir}/*.jsonl`.\n\n"
-            + markdown_table(["environment", "source", "trajectories", "mean steps", "success rate"], rows)
+            + _source_table(_by_source(collected))
             + (f"\nSkipped (no real-environment adapter): {', '.join(seed_only)}\n" if seed_only else ""))
     write_stage_outputs("collect_seed", metrics, text, root)
     return metrics
