@@ -1,0 +1,150 @@
+"""The synthetic environment: the experience model (plus retrieved real transitions) plays the environment.
+
+`SyntheticEnvironment` has the same `reset`/`step` interface as the real adapters and takes the same tasks (its
+`name` is the real environment it imitates), so RL code cannot tell them apart. Each step asks the experience model
+(through `predict`, which never raises on bad output: it retries, then falls back) for the next state, reward and
+`done`, with the episode's recent history and the top-k most similar transitions of that environment from the
+replay buffer in the prompt.
+
+Rollouts are cheap because many episodes step together: `step_batch(episodes, actions)` does one `retrieve_batch`
+per environment and one `predict` call for all of them. `step` is the batch of one, on the episode `reset` started.
+
+Finished episodes become contract trajectories (`record_trajectory`, source "synthetic") and go back into the
+buffer as synthetic transitions (`add_to_buffer`).
+"""
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from components.contract import Step, Task, Trajectory, transitions
+from components.environments.base import Environment, Observation, StepResult
+from components.experience_model import (
+    ExperienceModelBackend,
+    ExperienceQuery,
+    PredictionStats,
+    PromptFormat,
+    predict,
+)
+from components.replay_buffer import ReplayBuffer, Retrieved
+
+
+@dataclass
+class SyntheticEpisode:
+    """One episode in progress: its task, current state and the steps taken so far."""
+
+    task: Task
+    state: str
+    trajectory_id: str
+    steps: list[Step] = field(default_factory=list)
+    done: bool = False
+
+    def history(self, max_history: int) -> tuple[tuple[str, str], ...]:
+        """The last `max_history` (state, action) pairs, oldest first."""
+        recent = self.steps[-max_history:] if max_history > 0 else []
+        return tuple((s.state, s.action) for s in recent)
+
+
+class SyntheticEnvironment(Environment):
+    def __init__(
+        self,
+        name: str,
+        backend: ExperienceModelBackend,
+        buffer: ReplayBuffer | None,
+        fmt: PromptFormat,
+        *,
+        top_k: int = 3,
+        retries: int = 1,
+        stats: PredictionStats | None = None,
+        max_history: int = 3,
+        max_new_tokens: int = 512,
+        temperature: float = 0.0,
+        initial_states: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name  # type: ignore[misc]  # per instance: the real environment this one imitates
+        self.backend, self.buffer, self.fmt = backend, buffer, fmt
+        self.top_k, self.retries, self.max_history = top_k, retries, max_history
+        self.stats = stats if stats is not None else PredictionStats()
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.initial_states = dict(initial_states or {})
+        self.episode: SyntheticEpisode | None = None
+
+    # -- episodes --
+    def initial_state(self, task: Task) -> str:
+        """`task.parameters["initial_state"]`, else the task's entry in `initial_states` (seed first states)."""
+        state = task.parameters.get("initial_state") or self.initial_states.get(task.task_id)
+        if not isinstance(state, str) or not state:
+            raise ValueError(f"task {task.task_id!r}: no initial state (set task.parameters['initial_state'] or "
+                             "pass initial_states, e.g. the first states of its seed trajectories)")
+        return state
+
+    def new_episode(self, task: Task, trajectory_id: str | None = None) -> SyntheticEpisode:
+        if task.environment != self.name:
+            raise ValueError(f"task {task.task_id!r} is for {task.environment!r}, this environment imitates "
+                             f"{self.name!r}")
+        return SyntheticEpisode(task, self.initial_state(task), trajectory_id or f"synthetic-{uuid.uuid4().hex}")
+
+    def reset(self, task: Task) -> Observation:
+        self.episode = self.new_episode(task)
+        return Observation(self.episode.state)
+
+    def step(self, action: str) -> StepResult:
+        if self.episode is None:
+            raise RuntimeError("step before reset")
+        return self.step_batch([self.episode], [action])[0]
+
+    # -- batched stepping --
+    def step_batch(self, episodes: Sequence[SyntheticEpisode], actions: Sequence[str]) -> list[StepResult]:
+        """Step every episode with its action: one retrieval per environment, one `predict` call for all."""
+        if len(episodes) != len(actions):
+            raise ValueError(f"{len(episodes)} episodes but {len(actions)} actions")
+        if any(episode.done for episode in episodes):
+            raise RuntimeError("an episode is over: start a new one")
+        examples = self._retrieve(episodes, actions)
+        queries = [ExperienceQuery(ep.task, ep.state, action, ep.history(self.max_history), found)
+                   for ep, action, found in zip(episodes, actions, examples, strict=True)]
+        predictions = predict(self.backend, queries, self.fmt, retries=self.retries,
+                              max_new_tokens=self.max_new_tokens, temperature=self.temperature, stats=self.stats)
+        results = []
+        for episode, action, prediction in zip(episodes, actions, predictions, strict=True):
+            info = {"synthetic": True, "fallback": prediction.fallback, "reasoning": prediction.reasoning,
+                    "truncated": False}
+            episode.steps.append(Step(episode.state, action, prediction.next_state, prediction.reward,
+                                      prediction.done, dict(info)))
+            episode.state, episode.done = prediction.next_state, prediction.done
+            if prediction.done:
+                info["success"] = prediction.reward > 0
+            results.append(StepResult(Observation(prediction.next_state), prediction.reward, prediction.done, info))
+        return results
+
+    def _retrieve(self, episodes: Sequence[SyntheticEpisode], actions: Sequence[str]) -> list[list[Retrieved]]:
+        found: list[list[Retrieved]] = [[] for _ in episodes]
+        if self.buffer is None or not self.fmt.use_retrieval or self.top_k <= 0:
+            return found
+        by_environment: dict[str, list[int]] = defaultdict(list)
+        for i, episode in enumerate(episodes):
+            by_environment[episode.task.environment].append(i)
+        for environment, members in by_environment.items():
+            hits = self.buffer.retrieve_batch([(episodes[i].state, actions[i]) for i in members],
+                                              environment=environment, k=self.top_k,
+                                              exclude_trajectories=[episodes[i].trajectory_id for i in members])
+            for i, hit in zip(members, hits, strict=True):
+                found[i] = hit
+        return found
+
+
+# -- write-back ---------------------------------------------------------------------------------------------------
+
+
+def record_trajectory(episode: SyntheticEpisode) -> Trajectory:
+    """A synthetic episode as a contract trajectory; success is a positive reward on a final step."""
+    success = episode.done and bool(episode.steps) and episode.steps[-1].reward > 0
+    return Trajectory(episode.trajectory_id, episode.task, list(episode.steps), success,
+                      sum(s.reward for s in episode.steps), "synthetic")
+
+
+def add_to_buffer(buffer: ReplayBuffer, trajectories: Sequence[Trajectory]) -> int:
+    """Append the trajectories' transitions to the buffer as synthetic experience; returns how many were new."""
+    return buffer.add([t for trajectory in trajectories for t in transitions(trajectory)], source="synthetic")

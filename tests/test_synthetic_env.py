@@ -1,0 +1,174 @@
+"""components/environments/synthetic.py: the experience-model environment, batched stepping and write-back.
+
+Most tests use `ScriptedBackend`, a test double for the *model* only: its reply is a fixed function of the prompt's
+action (well-formed targets), and it records every prompt it receives. The environment, `predict`, the prompt
+builder and the (faiss) replay buffer under test are the real ones. One test runs the real tiny HF model.
+"""
+from __future__ import annotations
+
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from components.contract import Step, Task, Trajectory, transitions
+from components.environments.rollout import run_episode
+from components.environments.synthetic import SyntheticEnvironment, add_to_buffer, record_trajectory
+from components.experience_model import (
+    FALLBACK_NOTE,
+    HFGenerationBackend,
+    PredictionStats,
+    PromptFormat,
+    format_target,
+)
+from components.models import build_tiny_causal_lm
+from components.replay_buffer import open_replay_buffer
+
+ENV = "textworld-cooking"
+KITCHEN = "You are in a kitchen. You see a closed fridge."
+TASK = Task("tw-1", ENV, "Cook a meal, then eat it.", {"initial_state": KITCHEN})
+
+
+class ScriptedBackend:
+    """Replies `after <action>`; the action "eat meal" ends the episode with reward 1, "give up" with 0."""
+
+    def __init__(self, garbage: bool = False) -> None:
+        self.calls: list[list] = []
+        self.garbage = garbage
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0):
+        self.calls.append(list(prompts))
+        replies = []
+        for prompt in prompts:
+            action = re.findall(r"^Action: (.*)$", prompt[-1]["content"], re.M)[-1]
+            done = action in ("eat meal", "give up")
+            replies.append("no tags at all" if self.garbage else
+                           format_target(f"after {action}", float(action == "eat meal"), done, f"did {action}"))
+        return replies
+
+
+class HashingEncoder:  # as in tests/test_replay_buffer.py: a deterministic bag of words, for the encoder only
+    name = "test-hashing-bow-256"
+    dim = 256
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in re.findall(r"\w+", text.lower()):
+                vectors[row, zlib.crc32(word.encode()) % self.dim] += 1.0
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def make_env(backend, buffer=None, **settings) -> SyntheticEnvironment:
+    settings = {"retries": 0, "max_history": 2, **settings}
+    return SyntheticEnvironment(ENV, backend, buffer, PromptFormat(history_length=5), **settings)
+
+
+def test_reset_step_done_success_and_info():
+    env = make_env(ScriptedBackend())
+    assert env.reset(TASK).state == KITCHEN
+
+    first = env.step("open fridge")
+    assert first.observation.state == "after open fridge" and first.observation.valid_actions is None
+    assert (first.reward, first.done) == (0.0, False)
+    assert first.info == {"synthetic": True, "fallback": False, "reasoning": "did open fridge", "truncated": False}
+
+    last = env.step("eat meal")
+    assert (last.reward, last.done, last.info["success"]) == (1.0, True, True)
+    with pytest.raises(RuntimeError):
+        env.step("eat meal")  # the episode is over
+
+    env.reset(TASK)
+    assert env.step("give up").info["success"] is False
+
+
+def test_initial_state_comes_from_the_task_or_the_mapping_or_fails_clearly():
+    bare = Task("tw-2", ENV, "Cook.")
+    assert make_env(ScriptedBackend(), initial_states={"tw-2": "A pantry."}).reset(bare).state == "A pantry."
+    with pytest.raises(ValueError, match="no initial state"):
+        make_env(ScriptedBackend()).reset(bare)
+    with pytest.raises(ValueError, match="imitates"):
+        make_env(ScriptedBackend()).reset(Task("web-1", "miniwob", "Click.", {"initial_state": "page"}))
+
+
+def test_history_in_the_prompt_is_bounded():
+    backend = ScriptedBackend()
+    env = make_env(backend, max_history=2)
+    env.reset(TASK)
+    for action in ("a1", "a2", "a3", "a4"):
+        env.step(action)
+    user = backend.calls[-1][0][-1]["content"]
+    assert "Action: a2" in user and "Action: a3" in user  # the last two earlier steps
+    assert "Action: a1" not in user and KITCHEN not in user
+    assert "Current state:\nafter a3" in user and user.endswith("Action: a4")
+
+
+def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
+    buffer = open_replay_buffer("embedded", HashingEncoder())
+    seed = Trajectory("seed-1", Task("tw-9", ENV, "Cook."), [
+        Step(KITCHEN, "open fridge", "The fridge is open. A red potato.", 0.0, False)], False, 0.0, "expert")
+    other = Trajectory("web-1", Task("web-9", "miniwob", "Click."), [
+        Step(KITCHEN, "open fridge", "MINIWOB PAGE", 0.0, False)], False, 0.0, "expert")
+    buffer.add([t for tr in (seed, other) for t in transitions(tr)], source="real")
+
+    backend = ScriptedBackend()
+    env = make_env(backend, buffer, top_k=2)
+    env.reset(TASK)
+    env.step("open fridge")
+    user = backend.calls[0][0][-1]["content"]
+    assert "Similar transitions:" in user and "Next state: The fridge is open. A red potato." in user
+    assert "MINIWOB PAGE" not in user
+
+
+def test_garbage_output_falls_back_and_is_counted():
+    stats = PredictionStats()
+    env = make_env(ScriptedBackend(garbage=True), stats=stats, retries=1)
+    env.reset(TASK)
+    result = env.step("open fridge")
+    assert result.info["fallback"] is True and not result.done and result.reward == 0.0
+    assert result.observation.state == f"{KITCHEN}\n{FALLBACK_NOTE}"
+    assert (stats.requests, stats.generations, stats.fallbacks) == (1, 2, 1)
+
+
+def test_batch_of_three_makes_one_backend_call_and_writes_back():
+    backend = ScriptedBackend()
+    buffer = open_replay_buffer("embedded", HashingEncoder())
+    env = make_env(backend, buffer)
+    episodes = [env.new_episode(TASK, f"syn-{i}") for i in range(3)]
+    results = env.step_batch(episodes, ["open fridge", "eat meal", "look"])
+    assert len(backend.calls) == 1 and len(backend.calls[0]) == 3
+    assert [r.observation.state for r in results] == ["after open fridge", "after eat meal", "after look"]
+    assert [e.done for e in episodes] == [False, True, False]
+
+    trajectory = record_trajectory(episodes[1])
+    assert trajectory.source == "synthetic" and trajectory.success and trajectory.return_ == 1.0
+    assert add_to_buffer(buffer, [trajectory]) == 1
+    assert buffer.count(ENV, source="synthetic") == 1
+
+
+def test_run_episode_works_unchanged():
+    actions = iter(["open fridge", "take potato", "eat meal"])
+    seen = []
+
+    def policy(task, observation, history):
+        seen.append(len(history))
+        return next(actions)
+
+    trajectory = run_episode(make_env(ScriptedBackend()), TASK, policy, max_steps=5, trajectory_id="t",
+                             source="synthetic")
+    assert seen == [0, 1, 2] and trajectory.success and trajectory.return_ == 1.0
+    assert [s.next_state for s in trajectory.steps] == ["after open fridge", "after take potato", "after eat meal"]
+    assert all(s.info["synthetic"] and "success" not in s.info for s in trajectory.steps)
+
+
+def test_real_tiny_model_end_to_end():
+    model, tokenizer = build_tiny_causal_lm([KITCHEN, format_target("after open fridge", 0.0, False, "why")])
+    stats = PredictionStats()
+    env = make_env(HFGenerationBackend(model, tokenizer), stats=stats, max_new_tokens=8)
+    env.reset(TASK)
+    episodes = [env.episode, env.new_episode(TASK)]
+    results = env.step_batch(episodes, ["open fridge", "look"])
+    assert len(results) == 2 and all(isinstance(r.observation.state, str) for r in results)
+    assert stats.requests == 2 and stats.fallbacks == sum(r.info["fallback"] for r in results)
+    assert stats.fallbacks == 2  # a random model with 8 new tokens cannot write a full target
