@@ -1,0 +1,281 @@
+"""Fidelity of an experience model on held-out *real* transitions: does it predict what the environment did?
+
+Held-out transitions are the steps of seed trajectories whose task falls on the held-out side of
+`contract.is_heldout_task` (`data.heldout_task_fraction`): those tasks are kept out of experience-model training and
+out of the replay buffer, so nothing here can be answered by looking the transition up.
+
+A *predictor* is a plain callable `(list[Transition]) -> list[prediction]`, one prediction per transition, in order,
+where a prediction is anything with `next_state`, `reward` and `done` (`experience_model.Prediction`, or the small
+`Guess` below). Three are provided:
+
+- `state_unchanged`: next state = current state, reward 0, not done (what an invalid action does; a strong floor,
+  since most steps in text environments change little and earn nothing).
+- `copy_nearest_neighbour(buffer)`: the outcome of the most similar training transition of the same environment.
+- `model_predictor(backend, fmt, buffer)`: the trained experience model, through the same signature; its
+  retrieval and reasoning ablations are the `PromptFormat.use_retrieval` / `use_reasoning` switches.
+
+Metrics (`score_predictions`), per environment and overall, every rate a fraction in [0, 1] with its count:
+
+- `exact_match`: next states equal after collapsing runs of whitespace and stripping the ends.
+- `token_f1`: SQuAD-style token F1 of next states: lower-cased `\\w+` tokens (whitespace and punctuation split and
+  dropped), multiset overlap, harmonic mean of precision and recall; 1.0 when both are empty, 0.0 when one is.
+  Unlike SQuAD, articles are kept: in TextWorld "a" / "the" carry no answer span, they are state text.
+- `embedding_similarity` (only when an encoder is given): mean cosine of the next-state embeddings.
+- `reward_accuracy`: |predicted - gold| < `reward_tolerance` (default 0.5). Seed rewards are binary {0, 1}, where
+  this is exactly "the prediction rounds to the gold reward"; for graded rewards pass a smaller tolerance.
+- `positive_reward_accuracy` over the `positive_n` transitions with gold reward > 0: rewards are rare (about 2% of
+  TextWorld steps), so a constant-0 predictor already scores ~98% overall and 0% here.
+- `done_accuracy`, and `terminal_done_accuracy` over the `terminal_n` transitions that do end the episode.
+A rate over an empty subset is None (JSON null), never a made-up 0 or 1.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from components.contract import Trajectory, Transition, is_heldout_task, transitions
+
+if TYPE_CHECKING:
+    from components.experience_model import ExperienceModelBackend, PromptFormat
+    from components.replay_buffer import Encoder, ReplayBuffer
+
+OVERALL = "overall"
+
+
+class PredictionLike(Protocol):
+    next_state: str
+    reward: float
+    done: bool
+
+
+@dataclass(frozen=True)
+class Guess:
+    """A baseline's prediction: the fields of `experience_model.Prediction` that fidelity scores."""
+
+    next_state: str
+    reward: float
+    done: bool
+
+
+Predictor = Callable[[list[Transition]], Sequence[PredictionLike]]
+
+
+# ----------------------------------------------------------------------------------------------------- the data
+def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
+                        history_length: int | None = None) -> list[Transition]:
+    """Every step of every trajectory whose task is held out (`is_heldout_task(task_id, fraction)`), in file order."""
+    return [t for trajectory in trajectories if is_heldout_task(trajectory.task.task_id, fraction)
+            for t in transitions(trajectory, history_length)]
+
+
+# -------------------------------------------------------------------------------------------------- the metrics
+_TOKEN = re.compile(r"\w+")
+
+
+def tokens(text: str) -> list[str]:
+    return _TOKEN.findall(text.lower())
+
+
+def token_f1(pred: str, gold: str) -> float:
+    """SQuAD-style token F1 (module docstring)."""
+    p, g = tokens(pred), tokens(gold)
+    if not p or not g:
+        return float(p == g)
+    overlap = sum((Counter(p) & Counter(g)).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(p), overlap / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(pred: str, gold: str) -> bool:
+    return " ".join(pred.split()) == " ".join(gold.split())
+
+
+def reward_correct(pred: float, gold: float, tolerance: float = 0.5) -> bool:
+    """|pred - gold| < tolerance; with binary rewards and the default 0.5, "rounds to the gold reward"."""
+    return abs(float(pred) - float(gold)) < tolerance
+
+
+def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[PredictionLike], *,
+                      reward_tolerance: float = 0.5, encoder: Encoder | None = None) -> dict[str, dict[str, Any]]:
+    """{environment: metrics, ..., "overall": metrics} for predictions aligned with transitions (module docstring)."""
+    if len(transitions_) != len(predictions):
+        raise ValueError(f"{len(predictions)} predictions for {len(transitions_)} transitions")
+    rows = []
+    for t, p in zip(transitions_, predictions):
+        rows.append({
+            "environment": t.task.environment,
+            "exact": exact_match(p.next_state, t.next_state),
+            "f1": token_f1(p.next_state, t.next_state),
+            "reward": reward_correct(p.reward, t.reward, reward_tolerance),
+            "positive": t.reward > 0,
+            "done": bool(p.done) == bool(t.done),
+            "terminal": bool(t.done),
+        })
+    if encoder is not None and rows:
+        predicted = encoder.encode([p.next_state for p in predictions])
+        gold = encoder.encode([t.next_state for t in transitions_])
+        cosines = np.sum(_unit(predicted) * _unit(gold), axis=1)
+        for row, cosine in zip(rows, cosines):
+            row["cosine"] = float(cosine)
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[row["environment"]].append(row)
+    result = {environment: _aggregate(group, encoder is not None) for environment, group in sorted(groups.items())}
+    result[OVERALL] = _aggregate(rows, encoder is not None)
+    return result
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    vectors = np.asarray(vectors, dtype=np.float64)
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(sum(values) / len(values)) if values else None
+
+
+def _aggregate(rows: list[dict[str, Any]], with_embeddings: bool) -> dict[str, Any]:
+    positive = [r for r in rows if r["positive"]]
+    terminal = [r for r in rows if r["terminal"]]
+    metrics: dict[str, Any] = {
+        "n": len(rows),
+        "exact_match": _mean([r["exact"] for r in rows]),
+        "token_f1": _mean([r["f1"] for r in rows]),
+        "reward_accuracy": _mean([r["reward"] for r in rows]),
+        "positive_n": len(positive),
+        "positive_reward_accuracy": _mean([r["reward"] for r in positive]),
+        "done_accuracy": _mean([r["done"] for r in rows]),
+        "terminal_n": len(terminal),
+        "terminal_done_accuracy": _mean([r["done"] for r in terminal]),
+    }
+    if with_embeddings:
+        metrics["embedding_similarity"] = _mean([r["cosine"] for r in rows])
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------- the predictors
+def state_unchanged(transitions_: list[Transition]) -> list[Guess]:
+    """Next state = current state, reward 0, not done."""
+    return [Guess(t.state, 0.0, False) for t in transitions_]
+
+
+def copy_nearest_neighbour(buffer: ReplayBuffer, k: int = 1, exclude_own_trajectory: bool = True) -> Predictor:
+    """A predictor copying the outcome of the most similar (state, action) in `buffer`, same environment only.
+
+    next_state is the top hit's. With k = 1 reward and done are the top hit's too; with k > 1 they are the majority
+    over the top k (ties go to the better-ranked value). `exclude_own_trajectory` keeps a transition from
+    retrieving itself or its own trajectory when the buffer happens to hold it (held-out tasks are not in the
+    pipeline's buffer, so there it changes nothing). An environment with no stored transitions falls back to
+    `state_unchanged`.
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+
+    def predict(transitions_: list[Transition]) -> list[Guess]:
+        out: list[Guess | None] = [None] * len(transitions_)
+        by_environment: dict[str, list[int]] = defaultdict(list)
+        for i, t in enumerate(transitions_):
+            by_environment[t.task.environment].append(i)
+        for environment, positions in by_environment.items():
+            batch = [transitions_[i] for i in positions]
+            hits = buffer.retrieve_batch(
+                [(t.state, t.action) for t in batch], environment=environment, k=k,
+                exclude_trajectories=[t.trajectory_id if exclude_own_trajectory else None for t in batch])
+            for i, t, found in zip(positions, batch, hits):
+                if not found:
+                    out[i] = Guess(t.state, 0.0, False)
+                    continue
+                out[i] = Guess(found[0].next_state, _vote([h.reward for h in found]), _vote([h.done for h in found]))
+        return [g for g in out if g is not None]
+
+    predict.__name__ = f"copy_nearest_neighbour_k{k}"
+    return predict
+
+
+def _vote(values: list[Any]) -> Any:
+    """Most common value; ties go to the one ranked first (Counter keeps first-seen order)."""
+    return Counter(values).most_common(1)[0][0]
+
+
+def model_predictor(backend: ExperienceModelBackend, fmt: PromptFormat, buffer: ReplayBuffer | None = None,
+                    **predict_kwargs: Any) -> Predictor:
+    """The trained experience model as a predictor, with the same signature as the baselines.
+
+    Each transition becomes an `ExperienceQuery` with its last `fmt.history_length` (state, action) pairs and, when
+    `fmt.use_retrieval` and a buffer is given, the `fmt.top_k` most similar buffer transitions of its environment
+    (its own trajectory excluded); `experience_model.predict` does the rest (retries, fallbacks). The ablations are
+    the format's switches: evaluate the model trained with and without `use_retrieval` / `use_reasoning`, each
+    with the format it was trained with.
+    """
+    from components.experience_model import ExperienceQuery, predict
+
+    def run(transitions_: list[Transition]) -> list[PredictionLike]:
+        examples: list[Sequence[Any]] = [()] * len(transitions_)
+        if fmt.use_retrieval and buffer is not None and fmt.top_k > 0:
+            by_environment: dict[str, list[int]] = defaultdict(list)
+            for i, t in enumerate(transitions_):
+                by_environment[t.task.environment].append(i)
+            for environment, positions in by_environment.items():
+                batch = [transitions_[i] for i in positions]
+                hits = buffer.retrieve_batch([(t.state, t.action) for t in batch], environment=environment,
+                                             k=fmt.top_k, exclude_trajectories=[t.trajectory_id for t in batch])
+                for i, found in zip(positions, hits):
+                    examples[i] = found
+        queries = [ExperienceQuery(t.task, t.state, t.action,
+                                   t.history[-fmt.history_length:] if fmt.history_length > 0 else (), examples[i])
+                   for i, t in enumerate(transitions_)]
+        return list(predict(backend, queries, fmt, **predict_kwargs))
+
+    return run
+
+
+def evaluate(predictors: dict[str, Predictor], transitions_: list[Transition], *, reward_tolerance: float = 0.5,
+             encoder: Encoder | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """{predictor name: score_predictions(...)} for each predictor on the same transitions."""
+    return {name: score_predictions(transitions_, predictor(transitions_), reward_tolerance=reward_tolerance,
+                                    encoder=encoder)
+            for name, predictor in predictors.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+_COLUMNS = (("n", "n"), ("exact_match", "exact match"), ("token_f1", "token F1"),
+            ("embedding_similarity", "embedding sim."), ("reward_accuracy", "reward acc."),
+            ("positive_reward_accuracy", "reward acc. (r>0)"), ("done_accuracy", "done acc."),
+            ("terminal_done_accuracy", "done acc. (terminal)"))
+
+
+def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | None = "Fidelity on held-out real "
+                    "transitions", reward_tolerance: float = 0.5) -> str:
+    """A markdown table, one row per (predictor, environment), from {predictor: score_predictions(...)}."""
+    has_embeddings = any("embedding_similarity" in m for scores in results.values() for m in scores.values())
+    columns = [c for c in _COLUMNS if has_embeddings or c[0] != "embedding_similarity"]
+    lines = [f"## {title}", ""] if title else []
+    lines.append("| predictor | environment | " + " | ".join(label for _, label in columns) + " |")
+    lines.append("|---|---|" + "---:|" * len(columns))
+    for name, scores in results.items():
+        for environment, metrics in scores.items():
+            cells = []
+            for key, _ in columns:
+                value = metrics.get(key)
+                if key == "positive_reward_accuracy" and value is not None:
+                    cells.append(f"{value:.3f} (n={metrics['positive_n']})")
+                elif key == "terminal_done_accuracy" and value is not None:
+                    cells.append(f"{value:.3f} (n={metrics['terminal_n']})")
+                elif value is None:
+                    cells.append("–")
+                elif isinstance(value, int) and not isinstance(value, bool):
+                    cells.append(str(value))
+                else:
+                    cells.append(f"{value:.3f}")
+            lines.append(f"| {name} | {environment} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Reward accuracy: |predicted − gold| < {reward_tolerance:g}. Rates are fractions in [0, 1]; "
+                 "– marks an empty subset.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,224 @@
+"""Fidelity metrics, the held-out split, and the two baselines on handcrafted transitions.
+
+The nearest-neighbour baseline runs on a real FaissReplayBuffer with a bag-of-words hashing encoder (a copy of the
+test double in test_replay_buffer.py), so which neighbour wins is computable by hand.
+"""
+from __future__ import annotations
+
+import json
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from components.contract import Step, Task, Trajectory, Transition, is_heldout_task, transitions
+from components.experience_model import Prediction
+from components.fidelity import (
+    OVERALL,
+    Guess,
+    copy_nearest_neighbour,
+    evaluate,
+    exact_match,
+    fidelity_report,
+    heldout_transitions,
+    reward_correct,
+    score_predictions,
+    state_unchanged,
+    token_f1,
+)
+from components.replay_buffer import FaissReplayBuffer
+
+
+class HashingEncoder:
+    """Bag of words hashed (crc32, stable across runs) into 256 buckets, L2-normalised."""
+
+    name = "test-hashing-bow-256"
+    dim = 256
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in re.findall(r"\w+", text.lower()):
+                vectors[row, zlib.crc32(word.encode()) % self.dim] += 1.0
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def transition(state: str, action: str, next_state: str, reward: float = 0.0, done: bool = False,
+               environment: str = "textworld-cooking", trajectory_id: str = "q", step_index: int = 0) -> Transition:
+    task = Task(f"{environment}-task", environment, "cook a meal")
+    return Transition(trajectory_id, step_index, task, (), state, action, next_state, reward, done, "expert")
+
+
+def trajectory(trajectory_id: str, task_id: str, environment: str, steps: list[Step]) -> Trajectory:
+    return Trajectory(trajectory_id, Task(task_id, environment, "do it"), steps, steps[-1].reward > 0,
+                      sum(s.reward for s in steps), "expert")
+
+
+# ------------------------------------------------------------------------------------------------------ metrics
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("the cat sat", "the cat sat", 1.0),
+    ("The cat, sat!", "the cat sat", 1.0),  # case and punctuation do not count
+    ("cat", "the cat sat", 2 * (1 / 1) * (1 / 3) / (1 / 1 + 1 / 3)),  # P=1, R=1/3 -> 0.5
+    ("a b c d", "a b x y", 0.5),  # P=R=1/2
+    ("dog", "the cat sat", 0.0),
+    ("a a a", "a", 2 * (1 / 3) * 1 / (1 / 3 + 1)),  # multiset: one 'a' overlaps -> 0.5
+    ("", "", 1.0),
+    ("", "x", 0.0),
+    ("x", "", 0.0),
+])
+def test_token_f1_known_values(pred, gold, expected):
+    assert token_f1(pred, gold) == pytest.approx(expected)
+
+
+def test_exact_match_and_reward_rule():
+    assert exact_match("You see  a\nkitchen. ", "You see a kitchen.")
+    assert not exact_match("you see a kitchen.", "You see a kitchen.")
+    assert reward_correct(0.7, 1.0) and reward_correct(0.0, 0.0) and reward_correct(0.49, 0.0)
+    assert not reward_correct(0.5, 0.0) and not reward_correct(0.0, 1.0)
+    assert reward_correct(0.25, 0.2, tolerance=0.1) and not reward_correct(0.25, 0.0, tolerance=0.1)
+
+
+def test_score_predictions_per_environment_and_overall():
+    gold = [
+        transition("s1", "a", "kitchen", 0.0, False),
+        transition("s2", "b", "you eat the meal", 1.0, True),
+        transition("s3", "c", "fridge open", 0.0, False),
+        transition("p1", "click", "page 2", 0.0, False, environment="miniwob"),
+    ]
+    predictions = [
+        Guess("kitchen", 0.0, False),  # all right
+        Guess("you eat", 0.0, False),  # F1 = 2*1*0.5/1.5 = 2/3; reward and done wrong
+        Prediction("fridge closed", 0.2, True),  # F1 1/2; reward right (|0.2| < 0.5); done wrong
+        Guess("page 2", 1.0, False),  # exact; reward wrong
+    ]
+    scores = score_predictions(gold, predictions)
+    assert set(scores) == {"textworld-cooking", "miniwob", OVERALL}
+    tw = scores["textworld-cooking"]
+    assert tw["n"] == 3
+    assert tw["exact_match"] == pytest.approx(1 / 3)
+    assert tw["token_f1"] == pytest.approx((1 + 2 / 3 + 0.5) / 3)
+    assert tw["reward_accuracy"] == pytest.approx(2 / 3)
+    assert tw["positive_n"] == 1 and tw["positive_reward_accuracy"] == 0.0
+    assert tw["done_accuracy"] == pytest.approx(1 / 3)
+    assert tw["terminal_n"] == 1 and tw["terminal_done_accuracy"] == 0.0
+    web = scores["miniwob"]
+    assert web["exact_match"] == 1.0 and web["reward_accuracy"] == 0.0
+    assert web["positive_n"] == 0 and web["positive_reward_accuracy"] is None  # empty subset: no made-up rate
+    overall = scores[OVERALL]
+    assert overall["n"] == 4 and overall["exact_match"] == 0.5 and overall["reward_accuracy"] == 0.5
+    for metrics in scores.values():
+        for key, value in metrics.items():
+            if not key.endswith("_n") and key != "n" and value is not None:
+                assert 0.0 <= value <= 1.0, key
+    json.dumps(scores)  # the metrics file is plain JSON
+
+    with pytest.raises(ValueError, match="3 predictions for 4 transitions"):
+        score_predictions(gold, predictions[:3])
+
+
+def test_embedding_similarity_with_an_encoder():
+    gold = [transition("s", "a", "red apple"), transition("s", "b", "green pear")]
+    scores = score_predictions(gold, [Guess("red apple", 0, False), Guess("blue sky", 0, False)],
+                               encoder=HashingEncoder())
+    assert scores[OVERALL]["embedding_similarity"] == pytest.approx(0.5, abs=1e-6)  # 1 and 0 (disjoint words)
+
+
+def test_heldout_transitions_takes_only_heldout_tasks():
+    task_ids = [f"task-{i}" for i in range(40)]
+    trajectories = [trajectory(f"traj-{tid}", tid, "textworld-cooking",
+                               [Step("s0", "go", "s1", 0.0, False), Step("s1", "eat", "s2", 1.0, True)])
+                    for tid in task_ids]
+    held = heldout_transitions(trajectories, 0.2)
+    expected = {tid for tid in task_ids if is_heldout_task(tid, 0.2)}
+    assert expected and len(expected) < len(task_ids)  # the split is not degenerate on this sample
+    assert {t.task.task_id for t in held} == expected
+    assert len(held) == 2 * len(expected)
+    assert heldout_transitions(trajectories, 0.0) == []
+
+
+# ---------------------------------------------------------------------------------------------------- baselines
+@pytest.fixture
+def buffer():
+    """Training transitions of two environments; outcomes distinguishable by their next states."""
+    buf = FaissReplayBuffer(HashingEncoder())
+    kitchen = trajectory("train-kitchen", "t-k", "textworld-cooking", [
+        Step("you are in the kitchen there is a fridge", "open fridge", "you open the fridge", 0.0, False),
+        Step("the fridge is open it contains a carrot", "take carrot", "you take the carrot", 1.0, False),
+        Step("you hold a carrot and a knife", "eat meal", "you eat the meal. you win", 1.0, True),
+    ])
+    garden = trajectory("train-garden", "t-g", "textworld-cooking", [
+        Step("you are in the garden there is a shed", "go north", "you are in the shed", 0.0, False),
+    ])
+    web = trajectory("train-web", "t-w", "miniwob", [
+        Step("page with a submit button", "click submit", "form submitted", 1.0, True),
+    ])
+    for t in (kitchen, garden, web):
+        buf.add(list(transitions(t)), "real")
+    return buf
+
+
+def test_state_unchanged():
+    gold = [transition("the room", "look", "the room", 0.0, False),
+            transition("the room", "eat", "you win", 1.0, True)]
+    guesses = state_unchanged(gold)
+    assert [(g.next_state, g.reward, g.done) for g in guesses] == [("the room", 0.0, False), ("the room", 0.0, False)]
+    scores = score_predictions(gold, guesses)[OVERALL]
+    assert scores["exact_match"] == 0.5 and scores["reward_accuracy"] == 0.5 and scores["done_accuracy"] == 0.5
+    assert scores["positive_reward_accuracy"] == 0.0
+
+
+def test_copy_nearest_neighbour_picks_the_right_neighbour(buffer):
+    queries = [
+        transition("in the kitchen a fridge", "open the fridge", "the fridge is open", 0.0, False),
+        transition("a carrot in the open fridge", "take the carrot", "taken", 1.0, False),
+        transition("in the garden a shed", "go north", "you are in the shed", 0.0, False),
+        transition("you hold a knife and a carrot", "eat the meal", "you win", 1.0, True),
+        # same words as the kitchen steps, but miniwob: only miniwob's transition may answer
+        transition("you are in the kitchen there is a fridge", "open fridge", "x", 0.0, False, environment="miniwob"),
+    ]
+    guesses = copy_nearest_neighbour(buffer)(queries)
+    assert [(g.next_state, g.reward, g.done) for g in guesses] == [
+        ("you open the fridge", 0.0, False),
+        ("you take the carrot", 1.0, False),
+        ("you are in the shed", 0.0, False),
+        ("you eat the meal. you win", 1.0, True),
+        ("form submitted", 1.0, True),
+    ]
+
+
+def test_copy_nearest_neighbour_excludes_own_trajectory_and_falls_back(buffer):
+    # A query that *is* a stored transition must not copy itself.
+    own = transition("in the garden there is a shed", "go north", "you are in the shed", trajectory_id="train-garden")
+    assert copy_nearest_neighbour(buffer)([own])[0].next_state != "you are in the shed"
+    assert copy_nearest_neighbour(buffer, exclude_own_trajectory=False)([own])[0].next_state == "you are in the shed"
+    # An environment the buffer has never seen: state unchanged.
+    alien = transition("a blank screen", "press key", "text appears", environment="alfworld")
+    assert copy_nearest_neighbour(buffer)([alien])[0] == Guess("a blank screen", 0.0, False)
+    assert copy_nearest_neighbour(buffer)([]) == []
+    with pytest.raises(ValueError):
+        copy_nearest_neighbour(buffer, k=0)
+
+
+def test_copy_nearest_neighbour_k_votes_reward_and_done(buffer):
+    query = transition("the fridge is open it contains a carrot", "take carrot", "taken", 1.0, False)
+    top1 = copy_nearest_neighbour(buffer, k=1)([query])[0]
+    top4 = copy_nearest_neighbour(buffer, k=4)([query])[0]
+    assert top1.next_state == top4.next_state == "you take the carrot"
+    # 4 textworld neighbours: rewards 1, 1, 0, 0 in some order with the carrot step first -> tie goes to rank 1.
+    assert top4.reward == 1.0
+
+
+def test_evaluate_and_report(buffer):
+    gold = [transition("in the kitchen a fridge", "open the fridge", "you open the fridge", 0.0, False),
+            transition("page with a submit button", "click submit", "form submitted", 1.0, True,
+                       environment="miniwob")]
+    results = evaluate({"state-unchanged": state_unchanged, "copy-nn": copy_nearest_neighbour(buffer)}, gold)
+    assert results["copy-nn"][OVERALL]["exact_match"] == 1.0
+    assert results["state-unchanged"][OVERALL]["exact_match"] == 0.0
+    report = fidelity_report(results)
+    lines = [line for line in report.splitlines() if line.startswith("| ")]
+    assert len(lines) == 1 + 2 * 3  # header + (2 environments + overall) per predictor
+    assert "| copy-nn | overall | 2 | 1.000 |" in report
+    assert "reward acc. (r>0)" in report and "1.000 (n=1)" in report
+    assert "embedding sim." not in report  # no encoder, no column
