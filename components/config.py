@@ -137,6 +137,64 @@ class AnnotateParams(Section):
     out_dir: str
 
 
+class PromptParams(Section):
+    """Mirrors experience_model.PromptFormat: the same values at training and at inference."""
+
+    use_reasoning: bool = Field(description="ablation: the target carries a reasoning trace")
+    use_retrieval: bool = Field(description="ablation: the prompt carries top-k retrieved transitions")
+    history_length: int = Field(ge=0)
+    top_k: int = Field(ge=0)
+    max_state_chars: int = Field(gt=0)
+    history_state_chars: int = Field(gt=0)
+    example_state_chars: int = Field(gt=0)
+
+
+class LoraParams(Section):
+    r: int = Field(gt=0)
+    alpha: int = Field(gt=0)
+    dropout: float = Field(ge=0, lt=1)
+    target_modules: str
+    top_layers: int | None = Field(description="adapt only the top N layers (null: all)")
+
+
+class TrainingParams(Section):
+    """Mirrors experience_model.TrainingSettings."""
+
+    epochs: float = Field(gt=0)
+    max_steps: int = Field(description="> 0 overrides epochs")
+    learning_rate: float = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    gradient_accumulation_steps: int = Field(gt=0)
+    max_seq_len: int = Field(gt=0)
+    lora: LoraParams | None = Field(description="null: full fine-tuning")
+    merge_lora: bool
+    precision: Literal["auto", "fp32", "bf16"]
+    activation_checkpointing: bool
+    warmup: float = Field(ge=0)
+    logging_steps: int = Field(gt=0)
+    save_steps: int = Field(gt=0)
+    save_total_limit: int = Field(gt=0)
+
+
+class InferenceParams(Section):
+    backend: Literal["hf", "vllm", "openai"]
+    base_url: str | None = Field(description="openai only: the served experience model's endpoint")
+    batch_size: int = Field(gt=0)
+    max_new_tokens: int = Field(gt=0)
+    temperature: float = Field(ge=0)
+    retries: int = Field(ge=0)
+    retry_temperature: float = Field(ge=0)
+
+
+class ExperienceModelParams(Section):
+    environments: list[str] = Field(description="whose seed transitions train it (held-out tasks never)")
+    out_dir: str
+    prompt: PromptParams
+    training: TrainingParams
+    inference: InferenceParams
+    fidelity_max_transitions: int = Field(ge=0, description="held-out transitions scored per environment (0: all)")
+
+
 class Params(Section):
     seed: int
     data: DataParams
@@ -147,6 +205,7 @@ class Params(Section):
     evaluate: EvaluateParams
     buffer: BufferParams
     annotate: AnnotateParams
+    experience_model: ExperienceModelParams
 
 
 def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:

@@ -161,6 +161,91 @@ def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
+def _saved_buffer(params: Params, root: Path):
+    """The buffer index_buffer saved, with the encoder it was built with (also used to score similarity)."""
+    from components.replay_buffer import SentenceEncoder, load_replay_buffer
+
+    encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
+    return load_replay_buffer(root / params.buffer.out_dir, encoder)
+
+
+def _experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
+    """Seed trajectories of the environments the experience model simulates."""
+    return [t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
+            if t.task.environment in params.experience_model.environments]
+
+
+def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """SFT the experience model (models.experience) on annotated training-task transitions: trace, then outcome."""
+    from components import experience_model as em
+    from components.annotation import read_annotated
+
+    root, settings = Path(root), params.experience_model
+    fraction = params.data.heldout_task_fraction
+    train_ids = {t.trajectory_id for t in _experience_trajectories(params, root)
+                 if not is_heldout_task(t.task.task_id, fraction)}
+    annotated = [r for r in read_annotated(root / params.annotate.out_dir / "transitions.jsonl")
+                 if r.trajectory_id in train_ids]
+    if not annotated:
+        raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
+    fmt = em.PromptFormat(**settings.prompt.model_dump())
+    buffer = _saved_buffer(params, root) if fmt.use_retrieval else None
+    retrieve = None if buffer is None else (
+        lambda query, k: buffer.retrieve(query.state, query.action, environment=query.task.environment, k=k))
+    dataset = em.sft_examples(annotated, retrieve, fmt)
+    training = settings.training
+    lora = em.LoraSettings(**training.lora.model_dump()) if training.lora else None
+    result = em.train_experience_model(
+        dataset, params.models.experience, root / settings.out_dir,
+        em.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=params.seed),
+        cache_dir=root / params.models.cache_dir)
+    metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
+               "train_loss": result.train_loss, "seconds": round(result.seconds, 1),
+               "resumed": result.resumed_from is not None}
+    text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} annotated "
+            f"transitions of training tasks in {', '.join(settings.environments)} ({result.too_long} left out as "
+            f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, final training loss "
+            f"{result.train_loss}, {result.seconds:.0f} s. Reasoning in the target: {fmt.use_reasoning}; retrieved "
+            f"examples in the prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
+    write_stage_outputs("train_experience_model", metrics, text, root)
+    return metrics
+
+
+def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Fidelity on held-out real transitions: the experience model against copy-nearest-neighbour and no-change."""
+    from components import experience_model as em
+    from components import fidelity
+
+    root, settings = Path(root), params.experience_model
+    heldout = fidelity.heldout_transitions(_experience_trajectories(params, root), params.data.heldout_task_fraction)
+    if settings.fidelity_max_transitions:
+        per_environment: dict[str, list] = defaultdict(list)
+        for transition in heldout:
+            per_environment[transition.task.environment].append(transition)
+        heldout = [t for group in per_environment.values() for t in group[:settings.fidelity_max_transitions]]
+    buffer = _saved_buffer(params, root)
+    fmt, inference = em.PromptFormat(**settings.prompt.model_dump()), settings.inference
+    model = params.models.experience if inference.backend == "openai" else str(root / settings.out_dir / "model")
+    backend = em.make_backend(inference.backend, model, inference.batch_size, inference.base_url)
+    stats = em.PredictionStats()
+    predictors = {
+        "experience model": fidelity.model_predictor(
+            backend, fmt, buffer, retries=inference.retries, max_new_tokens=inference.max_new_tokens,
+            temperature=inference.temperature, retry_temperature=inference.retry_temperature, stats=stats),
+        "copy nearest neighbour": fidelity.copy_nearest_neighbour(buffer),
+        "state unchanged": fidelity.state_unchanged,
+    }
+    results = fidelity.evaluate(predictors, heldout, encoder=buffer.encoder)
+    metrics = {"transitions": len(heldout), "prediction": stats.as_dict(), **results}
+    text = (fidelity.fidelity_report(results)
+            + f"\n{len(heldout)} held-out transitions (tasks never seen in training or in the buffer). The experience "
+              f"model ran with reasoning {fmt.use_reasoning} and retrieval {fmt.use_retrieval}; "
+              f"{stats.fallbacks} of {stats.requests} predictions fell back after {inference.retries} retry(ies) "
+              f"(an unparsable reply becomes 'state unchanged, reward 0').\n")
+    write_stage_outputs("evaluate_experience_model", metrics, text, root)
+    return metrics
+
+
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult:
     """Onboard the collected seed set (collect_seed's output) into the versioned data directory."""
     root = Path(root)
@@ -181,4 +266,5 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
 
 # stage name (in dvc.yaml and as a Prefect flow) -> function, in pipeline order; later stages join here
 STAGES = {"collect_seed": collect_seed, "validate": validate, "annotate": annotate, "index_buffer": index_buffer,
+          "train_experience_model": train_experience_model, "evaluate_experience_model": evaluate_experience_model,
           "evaluate": evaluate}

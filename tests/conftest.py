@@ -53,6 +53,31 @@ def set_params(project: Path, overrides: dict) -> None:
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama saved as a local checkpoint: any stage that takes a model path can train and generate with it."""
+    from components.models import build_tiny_causal_lm
+
+    directory = tmp_path_factory.mktemp("tiny-model")
+    texts = ["<reasoning>The fridge opens.</reasoning><next_state>\nYou open the fridge.\n</next_state>"
+             "<reward>0</reward><done>false</done>", "You are in the kitchen. Step 1: you did 'open fridge'."] * 20
+    build_tiny_causal_lm(texts, save_dir=directory)
+    return directory
+
+
+def tiny_experience_model(model_dir: Path, environment: str) -> dict:
+    """Overrides that train and score the experience model on `model_dir` in seconds (one step, a few predictions)."""
+    return {
+        "models.experience": str(model_dir),
+        "experience_model.environments": [environment],
+        "experience_model.training.max_steps": 1,
+        "experience_model.training.lora.top_layers": None,
+        "experience_model.training.max_seq_len": 4096,
+        "experience_model.inference.max_new_tokens": 16,
+        "experience_model.fidelity_max_transitions": 3,
+    }
+
+
 # A pipeline run small enough for a test: two TextWorld training games, sharing the repository's game cache.
 SMALL_RUN = {
     "collect_seed.environments": ["textworld-cooking"],

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from components.stages import STAGES
-from tests.conftest import SMALL_RUN, run, set_params
+from tests.conftest import SMALL_RUN, run, set_params, tiny_experience_model
 
 
 @pytest.fixture
@@ -33,13 +33,14 @@ def test_validate_stage_rejects_hand_edited_data(onboarded):
     assert result.returncode == 1 and "break the contract" in result.stderr and "steps[0].reward" in result.stderr
 
 
-def test_prefect_pipeline_flow(project, monkeypatch, prefect_server):
+def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_dir):
     """The whole pipeline flow on a real Prefect server: it drives DVC, onboards the collected seed, publishes."""
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import pipeline_flow
 
-    set_params(project, SMALL_RUN)
+    set_params(project, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
+                         "data.heldout_task_fraction": 0.4})  # splits the two tasks: one trains, one is held out
     monkeypatch.chdir(project)
     state = pipeline_flow(return_state=True)
     assert state.is_completed()
@@ -123,3 +124,19 @@ def test_annotate_stage_traces_every_transition_deterministically(onboarded):
     assert all(r.reasoning and r.annotator == "deterministic-v1" for r in records)
     run("dreamgym", "stage", "annotate", cwd=onboarded)
     assert path.read_bytes() == first  # versioned data: same seed, same bytes
+
+
+def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_dir):
+    """annotate -> index_buffer -> train_experience_model -> evaluate_experience_model, on a tiny local model."""
+    set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), "data.heldout_task_fraction": 0.3})
+    for stage in ("annotate", "index_buffer", "train_experience_model", "evaluate_experience_model"):
+        run("dreamgym", "stage", stage, cwd=onboarded)
+    trained = json.loads((onboarded / "metrics" / "train_experience_model.json").read_text())
+    assert trained["global_step"] == 1 and trained["examples"] > 0
+    assert (onboarded / "models" / "experience" / "model" / "config.json").exists()
+    fidelity = json.loads((onboarded / "metrics" / "evaluate_experience_model.json").read_text())
+    assert fidelity["transitions"] == 3 and fidelity["prediction"]["requests"] == 3
+    for predictor in ("experience model", "copy nearest neighbour", "state unchanged"):
+        overall = fidelity[predictor]["overall"]
+        assert overall["n"] == 3 and 0 <= overall["token_f1"] <= 1 and 0 <= overall["reward_accuracy"] <= 1
+    assert "copy nearest neighbour" in (onboarded / "reports" / "evaluate_experience_model.md").read_text()
