@@ -6,10 +6,7 @@ test double in test_replay_buffer.py), so which neighbour wins is computable by 
 from __future__ import annotations
 
 import json
-import re
-import zlib
 
-import numpy as np
 import pytest
 
 from components.contract import Step, Task, Trajectory, Transition, is_heldout_task, transitions
@@ -28,20 +25,7 @@ from components.fidelity import (
     token_f1,
 )
 from components.replay_buffer import FaissReplayBuffer
-
-
-class HashingEncoder:
-    """Bag of words hashed (crc32, stable across runs) into 256 buckets, L2-normalised."""
-
-    name = "test-hashing-bow-256"
-    dim = 256
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for row, text in enumerate(texts):
-            for word in re.findall(r"\w+", text.lower()):
-                vectors[row, zlib.crc32(word.encode()) % self.dim] += 1.0
-        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+from tests.hashing_encoder import HashingEncoder
 
 
 def transition(state: str, action: str, next_state: str, reward: float = 0.0, done: bool = False,

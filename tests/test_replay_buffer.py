@@ -11,9 +11,7 @@ the real ones. One test uses the real packaged all-MiniLM-L6-v2 to show a paraph
 from __future__ import annotations
 
 import os
-import re
 import uuid
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ from components.replay_buffer import (
     open_replay_buffer,
     render,
 )
+from tests.hashing_encoder import HashingEncoder
 
 WEAVIATE_URL = os.environ.get("WEAVIATE_URL")
 NO_WEAVIATE = "WEAVIATE_URL not set: the Weaviate backend needs a running server (none can run here)"
@@ -38,18 +37,6 @@ BACKENDS = [
 ]
 
 
-class HashingEncoder:
-    """Bag of words hashed (crc32, stable across runs) into 256 buckets, L2-normalised."""
-
-    name = "test-hashing-bow-256"
-    dim = 256
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for row, text in enumerate(texts):
-            for word in re.findall(r"\w+", text.lower()):
-                vectors[row, zlib.crc32(word.encode()) % self.dim] += 1.0
-        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
 def open_buffer(backend: str, encoder, cleanup: list) -> ReplayBuffer:

@@ -7,9 +7,7 @@ builder and the (faiss) replay buffer under test are the real ones. One test run
 from __future__ import annotations
 
 import re
-import zlib
 
-import numpy as np
 import pytest
 
 from components.contract import Step, Task, Trajectory, transitions
@@ -24,6 +22,7 @@ from components.experience_model import (
 )
 from components.models import build_tiny_causal_lm
 from components.replay_buffer import open_replay_buffer
+from tests.hashing_encoder import HashingEncoder
 
 ENV = "textworld-cooking"
 KITCHEN = "You are in a kitchen. You see a closed fridge."
@@ -48,16 +47,6 @@ class ScriptedBackend:
         return replies
 
 
-class HashingEncoder:  # as in tests/test_replay_buffer.py: a deterministic bag of words, for the encoder only
-    name = "test-hashing-bow-256"
-    dim = 256
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        vectors = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for row, text in enumerate(texts):
-            for word in re.findall(r"\w+", text.lower()):
-                vectors[row, zlib.crc32(word.encode()) % self.dim] += 1.0
-        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
 def make_env(backend, buffer=None, **settings) -> SyntheticEnvironment:
