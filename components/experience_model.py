@@ -43,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.annotation import AnnotatedTransition
 from components.contract import Task
-from components.replay_buffer import Retrieved
+from components.replay_buffer import ReplayBuffer, Retrieved
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers, datasets) happen inside the functions that need them
     from datasets import Dataset
@@ -142,7 +142,7 @@ def system_message(fmt: PromptFormat) -> str:
 
 def build_messages(query: ExperienceQuery, fmt: PromptFormat) -> list[Message]:
     parts = [f"Task ({query.task.environment}): {query.task.instruction}"]
-    examples = _distinct(query.examples)[: fmt.top_k] if fmt.use_retrieval else []
+    examples = list(query.examples)[: fmt.top_k] if fmt.use_retrieval else []
     if examples:
         lines = ["Similar transitions:"]
         for number, ex in enumerate(examples, 1):
@@ -165,18 +165,6 @@ def build_messages(query: ExperienceQuery, fmt: PromptFormat) -> list[Message]:
     parts.append(f"Current state:\n{clip(query.state, fmt.max_state_chars)}")
     parts.append(f"Action: {query.action}")
     return [{"role": "system", "content": system_message(fmt)}, {"role": "user", "content": "\n\n".join(parts)}]
-
-
-def _distinct(examples: Sequence[Retrieved]) -> list[Retrieved]:
-    """Drop repeats: seed sets hold the same transition many times (expert and noisy runs of one task), and three
-    copies of one example cost three times the tokens for the information of one."""
-    seen, kept = set(), []
-    for ex in examples:
-        key = (ex.state, ex.action, ex.next_state, ex.reward, ex.done)
-        if key not in seen:
-            seen.add(key)
-            kept.append(ex)
-    return kept
 
 
 def clip(text: str, limit: int) -> str:
@@ -254,19 +242,17 @@ def parse_prediction(text: str) -> Prediction | None:
 
 # ---- SFT data -------------------------------------------------------------------------------------------------
 
-RetrieveFn = Callable[[ExperienceQuery, int], Sequence[Retrieved]]
-
-
 def sft_examples(
     annotated: Sequence[AnnotatedTransition],
-    retrieve_fn: RetrieveFn | None,
+    buffer: ReplayBuffer | None,
     fmt: PromptFormat,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
 
-    History is rebuilt from the earlier steps of each transition's trajectory. Retrieved examples from the
-    transition's own trajectory are dropped: the buffer holds the seed data itself, and a model trained next to its
-    own answer learns to copy instead of to simulate. Extra columns (trajectory_id, step_index) are for inspection.
+    History is rebuilt from the earlier steps of each transition's trajectory. Grounding examples come from
+    `buffer.retrieve_examples`, which never returns the transition's own trajectory: the buffer holds the seed data
+    itself, and a model trained next to its own answer learns to copy instead of to simulate. Extra columns
+    (trajectory_id, step_index) are for inspection.
     """
     from datasets import Dataset
 
@@ -276,16 +262,15 @@ def sft_examples(
     for steps in by_trajectory.values():
         steps.sort(key=lambda r: r.step_index)
 
+    examples: list[list[Retrieved]] = [[] for _ in annotated]
+    if fmt.use_retrieval and buffer is not None:
+        examples = buffer.retrieve_examples(
+            [(r.task.environment, r.state, r.action, r.trajectory_id) for r in annotated], fmt.top_k)
     rows = []
-    for record in annotated:
+    for record, found in zip(annotated, examples, strict=True):
         earlier = [s for s in by_trajectory[record.trajectory_id] if s.step_index < record.step_index]
         history = [(s.state, s.action) for s in earlier][-fmt.history_length:] if fmt.history_length > 0 else []
-        query = ExperienceQuery(record.task, record.state, record.action, tuple(history))
-        if fmt.use_retrieval and retrieve_fn is not None and fmt.top_k > 0:
-            # Over-fetch so that dropping the transition's own trajectory and repeats still leaves top_k examples.
-            found = retrieve_fn(query, 4 * fmt.top_k)
-            others = _distinct([ex for ex in found if ex.trajectory_id != record.trajectory_id])[: fmt.top_k]
-            query = replace(query, examples=tuple(others))
+        query = ExperienceQuery(record.task, record.state, record.action, tuple(history), tuple(found))
         target = format_target(record.next_state, record.reward, record.done,
                                record.reasoning if fmt.use_reasoning else None)
         rows.append({
@@ -551,6 +536,7 @@ class HFGenerationBackend:
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         replies: list[str] = [""] * len(encoded)
         self.model.eval()
+        started, batches = time.monotonic(), math.ceil(len(order) / self.batch_size)
         for start in range(0, len(order), self.batch_size):
             batch = order[start: start + self.batch_size]
             inputs = self.tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding_side="left",
@@ -563,6 +549,11 @@ class HFGenerationBackend:
             new_tokens = output[:, inputs["input_ids"].shape[1]:]
             for i, text in zip(batch, self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
                 replies[i] = text
+            if batches > 1:
+                done = start // self.batch_size + 1
+                elapsed = time.monotonic() - started
+                log.info("generated batch %d/%d (%d new tokens max) | %.1fs/batch, ETA %.0fs", done, batches,
+                         new_tokens.shape[1], elapsed / done, elapsed / done * (batches - done))
         return replies
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -218,19 +218,12 @@ def model_predictor(backend: ExperienceModelBackend, fmt: PromptFormat, buffer: 
 
     def run(transitions_: list[Transition]) -> list[PredictionLike]:
         examples: list[Sequence[Any]] = [()] * len(transitions_)
-        if fmt.use_retrieval and buffer is not None and fmt.top_k > 0:
-            by_environment: dict[str, list[int]] = defaultdict(list)
-            for i, t in enumerate(transitions_):
-                by_environment[t.task.environment].append(i)
-            for environment, positions in by_environment.items():
-                batch = [transitions_[i] for i in positions]
-                hits = buffer.retrieve_batch([(t.state, t.action) for t in batch], environment=environment,
-                                             k=fmt.top_k, exclude_trajectories=[t.trajectory_id for t in batch])
-                for i, found in zip(positions, hits):
-                    examples[i] = found
+        if fmt.use_retrieval and buffer is not None:
+            examples = buffer.retrieve_examples(
+                [(t.task.environment, t.state, t.action, t.trajectory_id) for t in transitions_], fmt.top_k)
         queries = [ExperienceQuery(t.task, t.state, t.action,
-                                   t.history[-fmt.history_length:] if fmt.history_length > 0 else (), examples[i])
-                   for i, t in enumerate(transitions_)]
+                                   t.history[-fmt.history_length:] if fmt.history_length > 0 else (), tuple(found))
+                   for t, found in zip(transitions_, examples, strict=True)]
         return list(predict(backend, queries, fmt, **predict_kwargs))
 
     return run

@@ -51,6 +51,21 @@ def render(state: str, action: str) -> str:
     return f"action: {action}\nstate: {state}"
 
 
+# (environment, state, action, trajectory to exclude or None): one request for grounding examples
+ExampleQuery = tuple[str, str, str, "str | None"]
+
+
+def distinct(examples: Sequence[Retrieved]) -> list[Retrieved]:
+    """`examples` in order without repeats of the same (state, action, next_state, reward, done)."""
+    seen, kept = set(), []
+    for ex in examples:
+        key = (ex.state, ex.action, ex.next_state, ex.reward, ex.done)
+        if key not in seen:
+            seen.add(key)
+            kept.append(ex)
+    return kept
+
+
 # ----------------------------------------------------------------------------------------------------- encoders
 class Encoder(Protocol):
     """Texts -> float32 array of shape (len(texts), dim) with L2-normalised rows."""
@@ -170,6 +185,28 @@ class ReplayBuffer(ABC):
             return []
         vectors = self.encoder.encode([render(state, action) for state, action in queries])
         return self.search(vectors, environment=environment, k=k, exclude_trajectories=exclude_trajectories)
+
+    def retrieve_examples(self, queries: Sequence[ExampleQuery], k: int) -> list[list[Retrieved]]:
+        """Grounding examples for the experience model: per (environment, state, action, own trajectory) query,
+        the k most similar distinct transitions of that environment, never from the query's own trajectory.
+
+        The one retrieval path of training, fidelity evaluation and synthetic rollouts, so the model sees examples
+        picked the same way everywhere. One search per environment. Repeats are dropped (seed sets hold the same
+        transition many times, and three copies of one example cost three times the tokens for the information of
+        one), so 3k are fetched to leave k.
+        """
+        found: list[list[Retrieved]] = [[] for _ in queries]
+        if k <= 0:
+            return found
+        by_environment: dict[str, list[int]] = {}
+        for i, query in enumerate(queries):
+            by_environment.setdefault(query[0], []).append(i)
+        for environment, members in by_environment.items():
+            hits = self.retrieve_batch([(queries[i][1], queries[i][2]) for i in members], environment=environment,
+                                       k=3 * k, exclude_trajectories=[queries[i][3] for i in members])
+            for i, hit in zip(members, hits, strict=True):
+                found[i] = distinct(hit)[:k]
+        return found
 
     # -- vector level --
     def add_vectors(self, records: Sequence[Retrieved], vectors: np.ndarray) -> int:

@@ -190,9 +190,7 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
         raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
     fmt = em.PromptFormat(**settings.prompt.model_dump())
     buffer = _saved_buffer(params, root) if fmt.use_retrieval else None
-    retrieve = None if buffer is None else (
-        lambda query, k: buffer.retrieve(query.state, query.action, environment=query.task.environment, k=k))
-    dataset = em.sft_examples(annotated, retrieve, fmt)
+    dataset = em.sft_examples(annotated, buffer, fmt)
     training = settings.training
     lora = em.LoraSettings(**training.lora.model_dump()) if training.lora else None
     result = em.train_experience_model(

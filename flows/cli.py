@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import yaml
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("params", help="params.yaml").add_argument("action", choices=["check"])
 
     args = parser.parse_args(argv)
+    # components log progress (training steps, generation batches) at INFO; show it in DVC and Prefect output
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "datasets", "filelock", "faiss"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         params = load_params(args.params, _overrides(args.set))
     except ParamsError as error:

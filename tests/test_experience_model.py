@@ -19,7 +19,7 @@ from components.annotation import (
     read_annotated,
     write_annotated,
 )
-from components.contract import Step, Task, Trajectory
+from components.contract import Step, Task, Trajectory, transitions
 from components.experience_model import (
     FALLBACK_NOTE,
     BackendError,
@@ -41,7 +41,8 @@ from components.experience_model import (
     train_experience_model,
 )
 from components.models import build_tiny_causal_lm
-from components.replay_buffer import Retrieved
+from components.replay_buffer import FaissReplayBuffer, Retrieved
+from tests.hashing_encoder import HashingEncoder
 
 TASK = Task("tw-r1-s1", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")
 KITCHEN = "Observation:\nYou are in a kitchen. You see a closed fridge.\nInventory: You are carrying nothing."
@@ -238,25 +239,23 @@ def test_predict_falls_back_and_counts_without_raising():
 
 def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     records = annotate([_trajectory("tw-1"), _trajectory("tw-2")])
-    asked = []
+    buffer = FaissReplayBuffer(HashingEncoder())
+    buffer.add([t for tid in ("tw-1", "tw-2", "tw-3") for t in transitions(_trajectory(tid))], source="real")
 
-    def retrieve(query, k):
-        asked.append(k)
-        return [_retrieved("tw-1", 0, "own action"), _retrieved("tw-2", 0, "other action"), _retrieved("tw-3", 1)]
-
-    dataset = sft_examples(records, retrieve, PromptFormat(history_length=1, top_k=1))
+    dataset = sft_examples(records, buffer, PromptFormat(history_length=1, top_k=4))
     row = dataset[2]  # tw-1, step 2
     user = row["prompt"][1]["content"]
     examples, rest = user.split("Recent history")
     history, current = rest.split("Current state")
     assert "Action: take red potato from fridge" in history and "open fridge" not in history  # history_length 1
     assert "Action: eat meal" in current
-    assert "Example 1" in examples and "Example 2" not in examples and asked[0] > 1
-    assert "other action" in examples and "own action" not in examples
+    # tw-2 and tw-3 hold the same three transitions: repeats are dropped, so three of top 4 are left
+    assert "Example 3" in examples and "Example 4" not in examples and examples.count("Action: eat meal") == 1
+    assert buffer.retrieve_examples([("textworld-cooking", EATEN, "eat meal", "tw-1")], 2)[0][0].trajectory_id != "tw-1"
     parsed = parse_prediction(row["completion"][0]["content"])
     assert parsed is not None and parsed.done and parsed.reward == 1.0 and "success" in parsed.reasoning
 
-    plain = sft_examples(records, retrieve, PromptFormat(use_retrieval=False, use_reasoning=False))
+    plain = sft_examples(records, buffer, PromptFormat(use_retrieval=False, use_reasoning=False))
     assert "Similar transitions" not in plain[0]["prompt"][1]["content"]
     assert parse_prediction(plain[0]["completion"][0]["content"]).reasoning is None
 

@@ -15,7 +15,6 @@ buffer as synthetic transitions (`add_to_buffer`).
 from __future__ import annotations
 
 import uuid
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -120,19 +119,11 @@ class SyntheticEnvironment(Environment):
         return results
 
     def _retrieve(self, episodes: Sequence[SyntheticEpisode], actions: Sequence[str]) -> list[list[Retrieved]]:
-        found: list[list[Retrieved]] = [[] for _ in episodes]
-        if self.buffer is None or not self.fmt.use_retrieval or self.top_k <= 0:
-            return found
-        by_environment: dict[str, list[int]] = defaultdict(list)
-        for i, episode in enumerate(episodes):
-            by_environment[episode.task.environment].append(i)
-        for environment, members in by_environment.items():
-            hits = self.buffer.retrieve_batch([(episodes[i].state, actions[i]) for i in members],
-                                              environment=environment, k=self.top_k,
-                                              exclude_trajectories=[episodes[i].trajectory_id for i in members])
-            for i, hit in zip(members, hits, strict=True):
-                found[i] = hit
-        return found
+        if self.buffer is None or not self.fmt.use_retrieval:
+            return [[] for _ in episodes]
+        return self.buffer.retrieve_examples(
+            [(e.task.environment, e.state, a, e.trajectory_id) for e, a in zip(episodes, actions, strict=True)],
+            self.top_k)
 
 
 # -- write-back ---------------------------------------------------------------------------------------------------
