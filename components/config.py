@@ -158,7 +158,7 @@ class LoraParams(Section):
 
 
 class TrainingParams(Section):
-    """Mirrors experience_model.TrainingSettings."""
+    """Mirrors sft.TrainingSettings."""
 
     epochs: float = Field(gt=0)
     max_steps: int = Field(description="> 0 overrides epochs")

@@ -178,6 +178,7 @@ def _experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
 def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """SFT the experience model (models.experience) on annotated training-task transitions: trace, then outcome."""
     from components import experience_model as em
+    from components import sft
     from components.annotation import read_annotated
 
     root, settings = Path(root), params.experience_model
@@ -192,10 +193,10 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
     buffer = _saved_buffer(params, root) if fmt.use_retrieval else None
     dataset = em.sft_examples(annotated, buffer, fmt)
     training = settings.training
-    lora = em.LoraSettings(**training.lora.model_dump()) if training.lora else None
-    result = em.train_experience_model(
+    lora = sft.LoraSettings(**training.lora.model_dump()) if training.lora else None
+    result = sft.train_sft(
         dataset, params.models.experience, root / settings.out_dir,
-        em.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=params.seed),
+        sft.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=params.seed),
         cache_dir=root / params.models.cache_dir)
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
                "train_loss": result.train_loss, "seconds": round(result.seconds, 1),

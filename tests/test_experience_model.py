@@ -25,23 +25,19 @@ from components.experience_model import (
     BackendError,
     ExperienceQuery,
     HFGenerationBackend,
-    LoraSettings,
     OpenAICompatibleBackend,
     PredictionStats,
     PromptFormat,
-    TrainingSettings,
     VLLMBackend,
-    _lora_targets,
     build_messages,
     format_target,
-    load_experience_model,
     parse_prediction,
     predict,
     sft_examples,
-    train_experience_model,
 )
 from components.models import build_tiny_causal_lm
 from components.replay_buffer import FaissReplayBuffer, Retrieved
+from components.sft import LoraSettings, TrainingSettings, _lora_targets, load_trained_model, train_sft
 from tests.hashing_encoder import HashingEncoder
 
 TASK = Task("tw-r1-s1", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")
@@ -273,7 +269,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_hf_backend_generates_in_batches_like_one_by_one(tiny: Path):
-    model, tokenizer = load_experience_model(tiny)
+    model, tokenizer = load_trained_model(tiny)
     prompts = [build_messages(ExperienceQuery(TASK, s, a), PromptFormat()) for s, a in
                [(KITCHEN, "open fridge"), (OPEN * 3, "take red potato from fridge"), (TAKEN, "eat meal")]]
     prompts.append("A raw prompt string")
@@ -364,22 +360,22 @@ def test_one_lora_sft_step_writes_a_model_that_reloads(tiny: Path, tmp_path: Pat
     lora = LoraSettings(r=4, alpha=8, top_layers=1)
     settings = TrainingSettings(max_steps=1, batch_size=2, lora=lora, precision="fp32", save_steps=1, logging_steps=1)
 
-    result = train_experience_model(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
+    result = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
     assert result.global_step == 1 and result.train_loss is not None
     assert (result.examples, result.too_long) == (6, 0)
     assert (tmp_path / "exp" / "checkpoints" / "checkpoint-1").is_dir()
-    model, tokenizer = load_experience_model(result.model_dir)
+    model, tokenizer = load_trained_model(result.model_dir)
     assert not (result.model_dir / "adapter_config.json").exists()  # merged into a plain model
     [reply] = HFGenerationBackend(model, tokenizer).generate([dataset[0]["prompt"]], max_new_tokens=4)
     assert isinstance(reply, str)
 
     # Same data and settings: resumes from checkpoint-1 (already at max_steps, so no further step).
-    again = train_experience_model(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
+    again = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
     assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-1")
 
 
 def test_lora_top_layers_targets_only_the_top_layers(tiny: Path):
-    model, _ = load_experience_model(tiny)
+    model, _ = load_trained_model(tiny)
     targets = _lora_targets(model, LoraSettings(top_layers=1))
     assert targets and all(".layers.1." in name for name in targets)
     assert {name.rsplit(".", 1)[1] for name in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -391,9 +387,9 @@ def test_full_fine_tuning_and_the_sequence_bound(tiny: Path, tmp_path: Path):
     dataset = sft_examples(annotate([_trajectory()]), None, PromptFormat())
     settings = TrainingSettings(max_steps=1, batch_size=1, lora=None, precision="fp32", max_seq_len=500)
 
-    result = train_experience_model(dataset, str(tiny), tmp_path / "full", settings, cache_dir=tmp_path)
+    result = train_sft(dataset, str(tiny), tmp_path / "full", settings, cache_dir=tmp_path)
     assert (result.examples, result.too_long) == (1, 2)  # left out, never cut
-    load_experience_model(result.model_dir)
+    load_trained_model(result.model_dir)
     with pytest.raises(ValueError, match="max_seq_len"):
-        train_experience_model(dataset, str(tiny), tmp_path / "none", replace(settings, max_seq_len=10),
+        train_sft(dataset, str(tiny), tmp_path / "none", replace(settings, max_seq_len=10),
                                cache_dir=tmp_path)

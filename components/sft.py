@@ -1,0 +1,283 @@
+"""Supervised fine-tuning of a causal LM on chat prompt/completion pairs with TRL's SFTTrainer.
+
+One recipe for both models that are fine-tuned: the experience model (task, history, state, action, retrieved
+examples -> reasoning, next state, reward, done) and the policy's warm start (conversation so far -> next action).
+LoRA by default (optionally only on the top layers: backpropagation then stops there, most of a CPU step's cost),
+full fine-tuning when `lora` is None. Checkpoints resume; a finished run saves a model `load_trained_model` reads.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # heavy imports happen inside the functions that need them
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    # "all-linear": every linear layer but the output head, i.e. the attention and MLP projections of any
+    # architecture (q/k/v/o, gate/up/down for Llama-style models), without listing module names per model.
+    target_modules: str | tuple[str, ...] = "all-linear"
+    # Adapt only the top N transformer layers (None: all). Backpropagation then stops N layers down, which is most
+    # of the cost of a step on CPU; the lower layers keep their pretrained features.
+    top_layers: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides epochs (smoke runs, fixed budgets)
+    learning_rate: float = 2e-4
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_seq_len: int = 1536  # longer examples are left out (counted), never cut: a cut target teaches broken replies
+    lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
+    merge_lora: bool = True  # save a plain model (loads anywhere, vLLM included) instead of an adapter
+    # "auto": bf16 autocast where the hardware has bf16 matrix units (recent GPUs; CPUs with AMX or AVX512-BF16),
+    # else fp32. Forcing bf16 on a CPU without them is ~10-40x slower than fp32 (it is emulated).
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Recompute activations in the backward pass: ~30% more compute for much less memory (SmolLM2-135M, batch 4 of
+    # ~1,300 tokens, LoRA on all layers, fp32: 21 GB peak without it; LoRA on the top 8 layers: 9 GB).
+    activation_checkpointing: bool = False
+    warmup: float = 0.03  # a ratio of total steps (< 1) or a number of steps
+    logging_steps: int = 5
+    save_steps: int = 50
+    save_total_limit: int = 2
+    seed: int = 0
+
+
+
+
+def token_lengths(dataset: Dataset, tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, int]]:
+    """(prompt tokens, completion tokens) per example, as SFTTrainer will see them (for max_seq_len and reports)."""
+    lengths = []
+    for row in dataset:
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        lengths.append((n_prompt, len(tokenizer(full, add_special_tokens=False)["input_ids"]) - n_prompt))
+    return lengths
+
+
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    model_dir: Path  # loads with load_trained_model (a plain model, or an adapter when merge_lora is off)
+    global_step: int
+    examples: int  # trained on
+    too_long: int  # left out: longer than max_seq_len tokens
+    train_loss: float | None
+    resumed_from: str | None
+    seconds: float
+
+
+def train_sft(
+    dataset: Dataset,
+    base_model: str,
+    output_dir: str | Path,
+    settings: TrainingSettings,
+    cache_dir: str | Path = ".cache/models",
+) -> TrainingResult:
+    """SFT `base_model` (packaged alias, hub id or local path) on `dataset` with TRL's SFTTrainer.
+
+    Layout: `output_dir/checkpoints/` holds the trainer's checkpoints; a rerun with the same data and settings resumes
+    from the last one (a stopped job loses at most `save_steps` steps), and a rerun with different data or settings
+    starts over. `output_dir/model/` is the result, written only once training finished.
+    """
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import SFTConfig, SFTTrainer
+
+    from components.models import CHATML_TEMPLATE, load_causal_lm
+
+    output_dir = Path(output_dir)
+    checkpoints = output_dir / "checkpoints"
+    dataset = dataset.select_columns(["prompt", "completion"])
+    _reset_stale_checkpoints(checkpoints, _fingerprint(dataset, base_model, settings))
+
+    # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
+    model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")
+    if tokenizer.chat_template is None:  # a base model: give it ChatML, saved with the tokenizer for inference
+        tokenizer.chat_template = CHATML_TEMPLATE
+    fits = [i for i, (p, c) in enumerate(token_lengths(dataset, tokenizer)) if p + c <= settings.max_seq_len]
+    too_long = len(dataset) - len(fits)
+    if too_long:
+        log.warning("%d of %d examples exceed max_seq_len=%d tokens and are left out", too_long, len(dataset),
+                    settings.max_seq_len)
+        dataset = dataset.select(fits)
+    if not fits:
+        raise ValueError(f"no example fits in max_seq_len={settings.max_seq_len} tokens: raise it or shorten prompts")
+
+    args = SFTConfig(
+        output_dir=str(checkpoints),
+        num_train_epochs=settings.epochs,
+        max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.warmup,
+        max_length=settings.max_seq_len,
+        completion_only_loss=True,
+        bf16=resolve_precision(settings.precision) == "bf16",
+        use_cpu=not torch.cuda.is_available(),  # transformers refuses bf16 without a GPU unless told it is a CPU
+        activation_checkpointing=settings.activation_checkpointing,  # TRL's default is on: we choose explicitly
+        dataloader_pin_memory=torch.cuda.is_available(),
+        logging_steps=settings.logging_steps,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        save_total_limit=settings.save_total_limit,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        report_to="none",
+        disable_tqdm=True,  # _progress_log writes step, loss and ETA as log lines (readable in DVC and Prefect logs)
+    )
+    peft_config = None
+    if settings.lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=settings.lora.r,
+            lora_alpha=settings.lora.alpha,
+            lora_dropout=settings.lora.dropout,
+            target_modules=_lora_targets(model, settings.lora),
+            task_type="CAUSAL_LM",
+        )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[_progress_log()],
+    )
+
+    resume = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    if resume:
+        log.info("resuming from %s", resume)
+    started = time.monotonic()
+    output = trainer.train(resume_from_checkpoint=resume)
+
+    trained = trainer.model
+    if settings.lora is not None and settings.merge_lora:
+        trained = trained.merge_and_unload()
+    model_dir = output_dir / "model"
+    tmp = output_dir / ".model.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trained.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp.rename(model_dir)  # a half-written model never sits at model_dir
+    return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
+                          output.metrics.get("train_loss"), resume, time.monotonic() - started)
+
+
+def _lora_targets(model: PreTrainedModel, lora: LoraSettings) -> str | list[str]:
+    """LoRA's target modules; with `top_layers`, the full names of the matching linear layers in the top layers.
+
+    (peft refuses `layers_to_transform` together with "all-linear", so the top-layer selection is done here: the
+    first number in a module's name is its layer index in Hugging Face decoders, e.g. `model.layers.29.mlp.up_proj`.)
+    """
+    wanted = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    if lora.top_layers is None:
+        return wanted
+    import torch
+
+    first = model.config.num_hidden_layers - lora.top_layers
+    head = model.get_output_embeddings()
+    names = []
+    for name, module in model.named_modules():
+        layer = re.search(r"\.(\d+)\.", name)
+        if not isinstance(module, torch.nn.Linear) or module is head or layer is None or int(layer[1]) < first:
+            continue
+        if wanted == "all-linear" or name.rsplit(".", 1)[-1] in wanted:
+            names.append(name)
+    if not names:
+        raise ValueError(f"LoRA: no linear layers match {wanted!r} in the top {lora.top_layers} layers")
+    return names
+
+
+def resolve_precision(precision: Literal["auto", "fp32", "bf16"]) -> Literal["fp32", "bf16"]:
+    if precision != "auto":
+        return precision
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    try:  # Linux CPU flags: bf16 matrix instructions, not merely AVX2 (where torch emulates bf16 matmuls)
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) else "fp32"
+
+
+def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings) -> str:
+    digest = hashlib.sha256(json.dumps([base_model, asdict(settings)], sort_keys=True, default=str).encode())
+    for row in dataset:
+        digest.update(json.dumps(row, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _reset_stale_checkpoints(checkpoints: Path, fingerprint: str) -> None:
+    """Resuming is only correct for the same data and settings; anything else starts from the base model."""
+    stamp = checkpoints / "fingerprint.txt"
+    if checkpoints.is_dir() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
+        log.info("checkpoints in %s are for other data or settings: starting over", checkpoints)
+        shutil.rmtree(checkpoints)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint + "\n")
+
+
+def _progress_log() -> Any:
+    """A TrainerCallback that logs step, loss, learning rate and ETA (the pace of this run, resumed steps excluded)."""
+    from transformers import TrainerCallback  # here, not at module level: importing transformers takes seconds
+
+    class ProgressLog(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.start, self.first_step = time.monotonic(), state.global_step
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+                   **kwargs: Any) -> None:
+            if not logs or "loss" not in logs:
+                return
+            done = state.global_step - self.first_step
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / done * (state.max_steps - state.global_step) if done else float("nan")
+            log.info("step %d/%d loss %.4f lr %.2e | %.1fs/step, ETA %.0fs", state.global_step, state.max_steps,
+                     logs["loss"], logs.get("learning_rate", float("nan")), elapsed / max(done, 1), eta)
+
+    return ProgressLog()
+
+
+def load_trained_model(
+    model_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32", device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load what `train_sft` saved: a plain (merged or fully fine-tuned) model, or a LoRA adapter."""
+    from components.models import load_causal_lm
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "adapter_config.json").is_file():
+        return load_causal_lm(str(model_dir), cache_dir=model_dir.parent, dtype=dtype, device=device)
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device), tokenizer
