@@ -6,8 +6,6 @@ builder and the (faiss) replay buffer under test are the real ones. One test run
 """
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from components.contract import Step, Task, Trajectory, transitions
@@ -23,30 +21,11 @@ from components.experience_model import (
 from components.models import build_tiny_causal_lm
 from components.replay_buffer import open_replay_buffer
 from tests.hashing_encoder import HashingEncoder
+from tests.scripted_backend import ScriptedBackend
 
 ENV = "textworld-cooking"
 KITCHEN = "You are in a kitchen. You see a closed fridge."
 TASK = Task("tw-1", ENV, "Cook a meal, then eat it.", {"initial_state": KITCHEN})
-
-
-class ScriptedBackend:
-    """Replies `after <action>`; the action "eat meal" ends the episode with reward 1, "give up" with 0."""
-
-    def __init__(self, garbage: bool = False) -> None:
-        self.calls: list[list] = []
-        self.garbage = garbage
-
-    def generate(self, prompts, max_new_tokens, temperature=0.0):
-        self.calls.append(list(prompts))
-        replies = []
-        for prompt in prompts:
-            action = re.findall(r"^Action: (.*)$", prompt[-1]["content"], re.M)[-1]
-            done = action in ("eat meal", "give up")
-            replies.append("no tags at all" if self.garbage else
-                           format_target(f"after {action}", float(action == "eat meal"), done, f"did {action}"))
-        return replies
-
-
 
 
 def make_env(backend, buffer=None, **settings) -> SyntheticEnvironment:

@@ -1,0 +1,248 @@
+"""Multi-turn rollouts: many episodes at once, the policy's turns batched, the environment's too.
+
+An episode is one token sequence: `prompt_ids` (system, task and first state, assistant header), then
+`completion_ids`, which alternate the policy's action tokens (`env_mask` 1, with their sampling log-probabilities)
+and the environment's reply, i.e. the end of the assistant turn and the next state as a user turn (`env_mask` 0).
+GRPO and PPO train on exactly these tokens, the loss on the policy's tokens only.
+
+Each turn: every unfinished episode gets its next action from one batched `generate` over its whole sequence
+(left-padded), then the environment steps all of them in one batch (`EpisodeBatch.step`: the synthetic environment
+asks the experience model once per turn for the whole batch). An episode ends when the environment says done, at
+`max_turns`, or when its sequence would pass `max_tokens`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from components.contract import Step, Task, Trajectory
+from components.environments.base import Environment, Observation, StepResult
+from components.environments.synthetic import SyntheticEnvironment, record_trajectory
+from components.policy import SYSTEM, PolicyFormat, parse_action, state_message
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Episode:
+    task: Task
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)  # 1: the policy's token, 0: the environment's
+    logprobs: list[float] = field(default_factory=list)  # sampling log-probability per completion token (env: 0)
+    action_starts: list[int] = field(default_factory=list)  # where each action begins in completion_ids
+    actions: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # one per turn
+    done: bool = False  # the environment ended it (success or failure)
+    truncated: bool = False  # the turn or token limit ended it
+    success: bool = False
+    trajectory: Trajectory | None = None  # the contract record, set when the episode ends
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self.truncated
+
+    @property
+    def return_(self) -> float:
+        return sum(self.rewards)
+
+
+class EpisodeBatch(Protocol):
+    """Environments for a batch of episodes, stepped together."""
+
+    def start(self, tasks: Sequence[Task]) -> list[Observation]: ...
+
+    def step(self, indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]: ...
+
+    def trajectory(self, index: int) -> Trajectory: ...
+
+
+class SyntheticBatch:
+    """Episodes in the synthetic environment: one `step_batch` (one experience-model call) per turn."""
+
+    def __init__(self, env: SyntheticEnvironment) -> None:
+        self.env = env
+        self.episodes: list = []
+
+    def start(self, tasks: Sequence[Task]) -> list[Observation]:
+        self.episodes = [self.env.new_episode(task) for task in tasks]
+        return [Observation(episode.state) for episode in self.episodes]
+
+    def step(self, indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
+        return self.env.step_batch([self.episodes[i] for i in indices], actions)
+
+    def trajectory(self, index: int) -> Trajectory:
+        return record_trajectory(self.episodes[index])
+
+
+class RealBatch:
+    """Episodes in a real environment: one engine per episode (a batched policy needs every episode's next state
+    before its next turn), stepped one after another."""
+
+    def __init__(self, open_environment: Callable[[], Environment], source: str = "policy") -> None:
+        self.open_environment, self.source = open_environment, source
+        self.envs: list[Environment] = []
+        self.tasks: list[Task] = []
+        self.states: list[str] = []
+        self.steps: list[list[Step]] = []
+        self.ids: list[str] = []
+
+    def start(self, tasks: Sequence[Task]) -> list[Observation]:
+        self.close()
+        self.envs = [self.open_environment() for _ in tasks]
+        self.tasks, self.steps = list(tasks), [[] for _ in tasks]
+        self.ids = [f"real-{uuid.uuid4().hex}" for _ in tasks]
+        observations = [env.reset(task) for env, task in zip(self.envs, tasks, strict=True)]
+        self.states = [o.state for o in observations]
+        return observations
+
+    def step(self, indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
+        results = []
+        for i, action in zip(indices, actions, strict=True):
+            result = self.envs[i].step(action)
+            self.steps[i].append(Step(self.states[i], action, result.observation.state, result.reward, result.done,
+                                      {k: v for k, v in result.info.items() if k != "success"}))
+            self.states[i] = result.observation.state
+            results.append(result)
+        return results
+
+    def trajectory(self, index: int) -> Trajectory:
+        steps = self.steps[index]
+        success = bool(steps) and steps[-1].done and steps[-1].reward > 0
+        return Trajectory(self.ids[index], self.tasks[index], list(steps), success,
+                          sum(s.reward for s in steps), self.source)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+        self.envs = []
+
+
+@dataclass
+class RolloutStats:
+    policy_seconds: float = 0.0  # generating actions
+    env_seconds: float = 0.0  # stepping environments (the experience model, for synthetic ones)
+    turns: int = 0
+    policy_tokens: int = 0
+
+
+class ChatSegments:
+    """Token pieces of the chat template, so a conversation can grow turn by turn without re-rendering it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        sentinel = "\x00"
+        system = [{"role": "system", "content": SYSTEM}]
+        base = tokenizer.apply_chat_template(system, tokenize=False)
+        with_user = tokenizer.apply_chat_template(system + [{"role": "user", "content": sentinel}], tokenize=False,
+                                                  add_generation_prompt=True)
+        if not with_user.startswith(base):
+            raise ValueError("the chat template is not prefix-stable; multi-turn rollouts need one that is (ChatML)")
+        self.user_before, self.user_after = with_user[len(base):].split(sentinel)
+        replied = tokenizer.apply_chat_template(system + [{"role": "user", "content": "u"},
+                                                          {"role": "assistant", "content": sentinel}], tokenize=False)
+        self.assistant_end = replied.split(sentinel, 1)[1]  # e.g. "<|im_end|>\n"
+        self.eos_text = tokenizer.eos_token or ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, task: Task, observation: Observation, fmt: PolicyFormat) -> list[int]:
+        messages = [{"role": "system", "content": SYSTEM}, state_message(observation, fmt, task)]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    def environment_turn(self, observation: Observation, fmt: PolicyFormat, ended_with_eos: bool) -> list[int]:
+        """What follows an action: the rest of the assistant turn's end, the state as a user turn, the next header."""
+        end = self.assistant_end
+        if ended_with_eos and end.startswith(self.eos_text):
+            end = end[len(self.eos_text):]  # the policy generated the end-of-turn token itself
+        return self.encode(end + self.user_before + state_message(observation, fmt)["content"] + self.user_after)
+
+
+def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, contexts: Sequence[list[int]],
+                     max_new_tokens: int, temperature: float) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample one reply per context (left-padded batch); return its tokens up to and with the first end-of-turn,
+    and their log-probabilities under the sampling distribution (temperature applied, as the trainers score them)."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(c) for c in contexts)
+    input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
+    attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 \
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+                                max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                                output_scores=True, return_dict_in_generate=True, **sampling)
+    new = output.sequences[:, width:].tolist()
+    scores = torch.stack(output.scores, dim=1).float()  # (batch, new tokens, vocab), already temperature-scaled
+    logprobs = torch.log_softmax(scores, dim=-1)
+    tokens, token_logprobs = [], []
+    for row, ids in enumerate(new):
+        end = ids.index(eos) + 1 if eos in ids else len(ids)
+        tokens.append(ids[:end])
+        token_logprobs.append([logprobs[row, i, ids[i]].item() for i in range(end)])
+    return tokens, token_logprobs
+
+
+def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: EpisodeBatch, tasks: Sequence[Task],
+            fmt: PolicyFormat, *, max_turns: int, max_action_tokens: int = 24, max_tokens: int = 4096,
+            temperature: float = 1.0, stats: RolloutStats | None = None) -> list[Episode]:
+    """Play one episode per task (repeat a task G times for a group), all turns batched; returns them in order."""
+    stats = stats if stats is not None else RolloutStats()
+    segments = ChatSegments(tokenizer)
+    started = time.monotonic()
+    observations = batch.start(tasks)
+    stats.env_seconds += time.monotonic() - started
+    episodes = [Episode(task, segments.prompt(task, obs, fmt)) for task, obs in zip(tasks, observations, strict=True)]
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_turns):
+            active = [i for i, e in enumerate(episodes) if not e.finished]
+            if not active:
+                break
+            started = time.monotonic()
+            replies, logprobs = generate_actions(
+                model, tokenizer, [episodes[i].prompt_ids + episodes[i].completion_ids for i in active],
+                max_action_tokens, temperature)
+            stats.policy_seconds += time.monotonic() - started
+            actions = [parse_action(tokenizer.decode(ids, skip_special_tokens=True)) for ids in replies]
+            started = time.monotonic()
+            results = batch.step(active, actions)
+            stats.env_seconds += time.monotonic() - started
+            stats.turns += len(active)
+            for i, ids, lps, action, result in zip(active, replies, logprobs, actions, results, strict=True):
+                episode = episodes[i]
+                episode.action_starts.append(len(episode.completion_ids))
+                episode.completion_ids += ids
+                episode.env_mask += [1] * len(ids)
+                episode.logprobs += lps
+                episode.actions.append(action)
+                episode.rewards.append(result.reward)
+                stats.policy_tokens += len(ids)
+                if result.done:
+                    episode.done, episode.success = True, bool(result.info.get("success", result.reward > 0))
+                    continue
+                ended = bool(ids) and ids[-1] == tokenizer.eos_token_id
+                follow = segments.environment_turn(result.observation, fmt, ended)
+                length = len(episode.prompt_ids) + len(episode.completion_ids) + len(follow) + max_action_tokens
+                if length > max_tokens:  # the next turn would not fit: stop here rather than cut the context
+                    episode.truncated = True
+                    continue
+                episode.completion_ids += follow
+                episode.env_mask += [0] * len(follow)
+                episode.logprobs += [0.0] * len(follow)
+        for i, episode in enumerate(episodes):
+            episode.truncated = episode.truncated or not episode.done
+            episode.trajectory = batch.trajectory(i)
+    finally:
+        model.train(was_training)
+    return episodes

@@ -1,0 +1,128 @@
+"""components/policy.py and components/rollouts.py: the policy's conversation format and multi-turn rollouts.
+
+The policy is a real (tiny, random) Llama; the synthetic environment is real with a scripted experience *model*
+(tests/scripted_backend.py), so episode ends and rewards are known in advance.
+"""
+from __future__ import annotations
+
+import pytest
+
+from components.contract import Step, Task, Trajectory
+from components.environments.base import Observation
+from components.environments.synthetic import SyntheticEnvironment
+from components.experience_model import HFGenerationBackend, PromptFormat, format_target
+from components.models import build_tiny_causal_lm
+from components.policy import (
+    PolicyFormat,
+    conversation,
+    llm_policy,
+    next_action_accuracy,
+    parse_action,
+    sft_examples,
+)
+from components.rollouts import ChatSegments, RolloutStats, SyntheticBatch, rollout
+from tests.scripted_backend import ScriptedBackend
+
+ENV = "textworld-cooking"
+TASK = Task("tw-1", ENV, "Cook a meal, then eat it.", {"initial_state": "You are in a kitchen."})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    texts = ["open fridge", "eat meal", "take potato", "State: You are in a kitchen.", "Task: Cook a meal"] * 20
+    return build_tiny_causal_lm(texts, seed=1)
+
+
+def _trajectory(trajectory_id="tw-1") -> Trajectory:
+    steps = [Step("kitchen", "open fridge", "fridge open", 0.0, False, {}),
+             Step("fridge open", "eat meal", "eaten", 1.0, True, {})]
+    return Trajectory(trajectory_id, TASK, steps, True, 1.0, "expert")
+
+
+def test_conversation_alternates_states_and_actions_and_clips_states():
+    fmt = PolicyFormat(max_state_chars=60, show_valid_actions=True, max_valid_actions=2)
+    messages = conversation(TASK, [Observation("kitchen " * 30, ("look", "open fridge", "eat meal")),
+                                   Observation("fridge open")], ["open fridge"], fmt)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[1]["content"].startswith("Task: Cook a meal") and "chars cut" in messages[1]["content"]
+    assert "Valid actions: look | open fridge" in messages[1]["content"] and "eat meal" not in messages[1]["content"]
+    assert "Task:" not in messages[3]["content"]
+    with pytest.raises(ValueError, match="actions"):
+        conversation(TASK, [Observation("a")], ["x"], fmt)
+
+
+@pytest.mark.parametrize("reply, action", [
+    ("open fridge", "open fridge"), ("Action: `take potato`\nbecause", "take potato"),
+    ("\n\n  eat meal  \n", "eat meal"), ("", "")])
+def test_parse_action(reply, action):
+    assert parse_action(reply) == action
+
+
+def test_sft_examples_one_per_step_with_the_conversation_so_far():
+    dataset = sft_examples([_trajectory()], PolicyFormat())
+    assert len(dataset) == 2
+    second = dataset[1]
+    assert [m["role"] for m in second["prompt"]] == ["system", "user", "assistant", "user"]
+    assert second["prompt"][2]["content"] == "open fridge" and second["completion"][0]["content"] == "eat meal"
+
+
+def test_next_action_accuracy_counts_steps(tiny):
+    model, tokenizer = tiny
+    result = next_action_accuracy(HFGenerationBackend(model, tokenizer), [_trajectory()], PolicyFormat(), 4)
+    assert result["steps"] == 2 and 0 <= result["correct"] <= 2 and set(result["by_step"]) == {"0", "1"}
+
+
+def test_llm_policy_keeps_its_episode():
+    class Echo:  # the policy's generation backend: echoes how many turns the conversation has
+        def generate(self, prompts, max_new_tokens, temperature=0.0):
+            return [f"turn {sum(m['role'] == 'user' for m in prompts[0])}"]
+
+    act = llm_policy(Echo(), PolicyFormat())
+    assert act(TASK, Observation("a"), []) == "turn 1"
+    assert act(TASK, Observation("b"), [("a", "turn 1")]) == "turn 2"
+    assert act(TASK, Observation("c"), []) == "turn 1"  # a new episode starts over
+
+
+def test_rollout_tokens_masks_and_episode_ends(tiny):
+    model, tokenizer = tiny
+    env = SyntheticEnvironment(ENV, ScriptedBackend(), None, PromptFormat(use_retrieval=False), retries=0)
+    stats = RolloutStats()
+    episodes = rollout(model, tokenizer, SyntheticBatch(env), [TASK] * 3, PolicyFormat(), max_turns=3,
+                       max_action_tokens=5, temperature=1.0, stats=stats)
+
+    assert len(episodes) == 3 and stats.turns == sum(len(e.actions) for e in episodes) > 0
+    segments = ChatSegments(tokenizer)
+    for episode in episodes:
+        assert len(episode.completion_ids) == len(episode.env_mask) == len(episode.logprobs)
+        assert len(episode.actions) == len(episode.rewards) == len(episode.action_starts) <= 3
+        assert episode.finished and episode.trajectory is not None
+        assert [s.action for s in episode.trajectory.steps] == episode.actions
+        assert episode.trajectory.source == "synthetic"
+        # the policy's tokens are exactly the sampled ones, with finite log-probabilities; the rest is environment
+        policy = [lp for lp, m in zip(episode.logprobs, episode.env_mask) if m == 1]
+        assert policy and all(lp <= 0 for lp in policy)
+        assert all(episode.env_mask[start] == 1 for start in episode.action_starts)
+        if len(episode.actions) > 1:  # the next state reached the policy as a user turn
+            text = tokenizer.decode(episode.completion_ids)
+            assert segments.user_before.strip() in text and "after " in text
+    # the environment's reply follows each action, never inside it
+    assert sum(sum(e.env_mask) for e in episodes) == stats.policy_tokens
+
+
+def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny):
+    model, tokenizer = tiny
+
+    class WinsAtOnce:  # the experience model says every action finishes the task
+        def generate(self, prompts, max_new_tokens, temperature=0.0):
+            return [format_target("done", 1.0, True, "finished") for _ in prompts]
+
+    won = rollout(model, tokenizer, SyntheticBatch(SyntheticEnvironment(ENV, WinsAtOnce(), None, PromptFormat(
+        use_retrieval=False), retries=0)), [TASK], PolicyFormat(), max_turns=5, max_action_tokens=3)[0]
+    assert (won.done, won.success, won.truncated, won.rewards) == (True, True, False, [1.0])
+    assert won.env_mask == [1] * len(won.completion_ids)  # nothing follows the last action
+    assert won.trajectory.success
+
+    env = SyntheticEnvironment(ENV, ScriptedBackend(), None, PromptFormat(use_retrieval=False), retries=0)
+    cut = rollout(model, tokenizer, SyntheticBatch(env), [TASK], PolicyFormat(), max_turns=2, max_action_tokens=3,
+                  temperature=0.0)[0]
+    assert cut.truncated and not cut.done and len(cut.actions) == 2
