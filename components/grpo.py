@@ -1,0 +1,174 @@
+"""GRPO for multi-turn agents, on TRL's GRPOTrainer with a `rollout_func`.
+
+Why `rollout_func` and not `environment_factory`: the environment factory exposes an environment as tools and relies
+on the tokenizer's tool-calling chat template, which small models such as SmolLM2 lack, and it plays one episode per
+instance. A `rollout_func` lets us run our own multi-turn engine (`rollouts.rollout`: every episode's policy turn in
+one batched generate, every environment turn in one experience-model call) and hand TRL one token sequence per
+episode with an `env_mask`, so the loss covers the policy's tokens only.
+
+One optimizer step is one RL iteration: TRL samples `tasks_per_iteration` tasks and repeats each `group_size` times;
+we play those episodes; the reward of an episode is its return; TRL normalises the rewards within each task's group
+(group-relative advantages over whole multi-turn trajectories) and takes a clipped policy-gradient step with a KL
+penalty (`beta`) towards the warm start. Trajectories go into the replay buffer as synthetic experience.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from components.contract import Task
+from components.environments.synthetic import add_to_buffer
+from components.files import atomic_directory
+from components.policy import PolicyFormat
+from components.replay_buffer import ReplayBuffer
+from components.rl import (
+    RLResult,
+    RLSettings,
+    iteration_record,
+    last_complete_checkpoint,
+    load_sidecars,
+    prepare_checkpoints,
+    save_sidecars,
+    settings_fingerprint,
+)
+from components.rollouts import EpisodeBatch, RolloutStats, rollout
+
+log = logging.getLogger(__name__)
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.x
+
+# TRL's per-step numbers kept in the iteration log (names as TRL logs them -> ours)
+_TRL_METRICS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
+                "reward_std": "reward_std", "clip_ratio/region_mean": "clip_ratio"}
+
+
+def episode_return(completions: list[Any], episode_return: list[float], **kwargs: Any) -> list[float]:
+    """The reward of a completion is its episode's return (forwarded by rollout_func)."""
+    return list(episode_return)
+
+
+def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], EpisodeBatch],
+               buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
+               cache_dir: str | Path = ".cache/models") -> RLResult:
+    """Train `policy_model` (the warm start) with GRPO on episodes from `make_batch()` over `tasks`.
+
+    Layout: `out_dir/checkpoints/checkpoint-N` (adapter, optimizer, scheduler, RNG states, trainer state, plus the
+    replay buffer and iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same
+    settings resumes from the last complete checkpoint; TRL's sampler skips the iterations already done.
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from components.models import load_causal_lm
+
+    if settings.episodes_per_iteration % settings.micro_batch_size:
+        raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "
+                         f"of micro_batch_size ({settings.micro_batch_size})")
+    if len(tasks) < settings.tasks_per_iteration:
+        raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
+    out_dir = Path(out_dir)
+    checkpoints = out_dir / "checkpoints"
+    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, tasks))
+    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
+    rows: list[dict[str, Any]] = []
+    if resume is not None:
+        buffer, rows = load_sidecars(resume, buffer)
+        log.info("resuming from %s (%d iterations done)", resume, len(rows))
+
+    model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
+    by_id = {task.task_id: task for task in tasks}
+    # The prompt column only names the task: rollout_func builds the real first turn from the environment's reset.
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": task.task_id}]} for task in tasks])
+    pending: dict[str, Any] = {}
+
+    def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
+        batch_tasks = [by_id[prompt[-1]["content"]] for prompt in prompts]
+        stats = RolloutStats()
+        episodes = rollout(trainer.model, tokenizer, make_batch(), batch_tasks, fmt,
+                           max_turns=settings.max_turns, max_action_tokens=settings.max_action_tokens,
+                           max_tokens=settings.max_tokens, temperature=settings.temperature, stats=stats)
+        added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
+        pending.update(episodes=episodes, stats=stats, added=added)
+        return {"prompt_ids": [e.prompt_ids for e in episodes],
+                "completion_ids": [e.completion_ids for e in episodes],
+                "logprobs": [e.logprobs for e in episodes],
+                "env_mask": [e.env_mask for e in episodes],
+                "episode_return": [e.return_ for e in episodes]}
+
+    class IterationLog(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.start, self.first = time.monotonic(), state.global_step
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step_start = time.monotonic()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+                   **kwargs: Any) -> None:
+            if not logs or "loss" not in logs or "episodes" not in pending:
+                return
+            stats: RolloutStats = pending["stats"]
+            step_seconds = time.monotonic() - self.step_start
+            update = {ours: logs[theirs] for theirs, ours in _TRL_METRICS.items() if theirs in logs}
+            rows.append(iteration_record(state.global_step, pending.pop("episodes"), stats, pending["added"], buffer,
+                                         optimisation_s=round(step_seconds - stats.policy_seconds
+                                                              - stats.env_seconds, 2), **update))
+            row, done = rows[-1], state.global_step - self.first
+            eta = (time.monotonic() - self.start) / done * (state.max_steps - state.global_step)
+            log.info("iteration %d/%d reward %.3f success %.2f kl %s | %.0fs/iteration, ETA %.0fs",
+                     state.global_step, state.max_steps, row["reward_mean"], row["success_rate"],
+                     row.get("kl", "n/a"), step_seconds, eta)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows)
+
+    peft_config = None
+    if settings.lora is not None:
+        from peft import LoraConfig
+
+        from components.sft import _lora_targets
+
+        peft_config = LoraConfig(r=settings.lora.r, lora_alpha=settings.lora.alpha, lora_dropout=settings.lora.dropout,
+                                 target_modules=_lora_targets(model, settings.lora), task_type="CAUSAL_LM")
+    args = GRPOConfig(
+        output_dir=str(checkpoints),
+        max_steps=settings.iterations,
+        per_device_train_batch_size=settings.micro_batch_size,
+        gradient_accumulation_steps=settings.episodes_per_iteration // settings.micro_batch_size,
+        num_generations=settings.group_size,
+        max_completion_length=settings.max_tokens,
+        temperature=settings.temperature,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        beta=settings.beta,
+        epsilon=settings.clip_epsilon,
+        loss_type="dapo",  # token-level normalisation: long episodes are not down-weighted per token
+        scale_rewards="group",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=settings.save_every,
+        save_total_limit=settings.save_total_limit,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=[episode_return], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout_func,
+                          callbacks=[IterationLog()])
+    started = time.monotonic()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+    trained = trainer.model.merge_and_unload() if peft_config is not None else trainer.model
+    model_dir = out_dir / "model"
+    with atomic_directory(model_dir, replace=True) as tmp:
+        trained.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return RLResult(model_dir, trainer.state.global_step, str(resume) if resume else None, rows,
+                    time.monotonic() - started)

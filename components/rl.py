@@ -1,0 +1,137 @@
+"""What the RL algorithms share: settings, the per-iteration record, and checkpoint side-cars.
+
+GRPO (components/grpo.py) and PPO (components/ppo.py) both train the warm-started policy on multi-turn episodes
+from `rollouts.rollout`. Each iteration: rollouts for `tasks_per_iteration` tasks x `group_size` episodes, their
+trajectories appended to the replay buffer as synthetic experience, then one policy update. Every `save_every`
+iterations a checkpoint holds the policy adapter, the optimizer, the RNG states and, next to them, the replay
+buffer and the iteration log, so a crashed run resumes from the last checkpoint without losing or repeating an
+iteration.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from components.contract import Task
+from components.replay_buffer import ReplayBuffer, load_replay_buffer
+from components.rollouts import Episode, RolloutStats
+from components.sft import LoraSettings
+
+BUFFER_DIR, LOG_FILE = "replay_buffer", "iterations.jsonl"
+
+
+@dataclass(frozen=True)
+class RLSettings:
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    iterations: int = 10
+    tasks_per_iteration: int = 2
+    group_size: int = 4  # episodes per task (GRPO's group)
+    learning_rate: float = 1e-5
+    temperature: float = 1.0  # sampling temperature of the policy in rollouts (and in the trainers' log-probs)
+    beta: float = 0.02  # KL penalty towards the warm-start policy
+    clip_epsilon: float = 0.2
+    max_turns: int = 12
+    max_action_tokens: int = 24
+    max_tokens: int = 3072  # an episode's whole token sequence
+    micro_batch_size: int = 2  # episodes per forward/backward pass (gradients accumulate over the iteration)
+    save_every: int = 1
+    save_total_limit: int = 2
+    lora: LoraSettings | None = LoraSettings(r=16, alpha=32, top_layers=8)
+    # PPO only
+    ppo_epochs: int = 2  # passes over each iteration's episodes
+    gamma: float = 1.0  # discount per turn
+    gae_lambda: float = 0.95
+    value_coef: float = 0.5
+    value_learning_rate: float = 1e-4
+    seed: int = 0
+
+    @property
+    def episodes_per_iteration(self) -> int:
+        return self.tasks_per_iteration * self.group_size
+
+
+@dataclass(frozen=True)
+class RLResult:
+    model_dir: Path
+    iterations: int
+    resumed_from: str | None
+    log: list[dict[str, Any]]
+    seconds: float
+
+
+def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStats, added: int,
+                     buffer: ReplayBuffer | None, **update: float) -> dict[str, Any]:
+    """One row of the iteration log (DVC plots): rollout outcomes, the time split, the update's numbers."""
+    n = len(episodes)
+    return {
+        "iteration": iteration,
+        "reward_mean": sum(e.return_ for e in episodes) / n,
+        "success_rate": sum(e.success for e in episodes) / n,
+        "turns_mean": sum(len(e.actions) for e in episodes) / n,
+        "policy_tokens_mean": sum(sum(e.env_mask) for e in episodes) / n,
+        "sequence_tokens_mean": sum(len(e.prompt_ids) + len(e.completion_ids) for e in episodes) / n,
+        "synthetic_transitions": added,
+        "buffer_size": len(buffer) if buffer is not None else None,
+        "policy_generation_s": round(stats.policy_seconds, 2),
+        "environment_s": round(stats.env_seconds, 2),
+        **{key: (round(value, 6) if isinstance(value, float) else value) for key, value in update.items()},
+    }
+
+
+def task_schedule(tasks: list[Task], settings: RLSettings, iteration: int) -> list[Task]:
+    """The tasks of one iteration, each repeated `group_size` times; a fixed function of (seed, iteration), so a
+    resumed run plays the same tasks an uninterrupted one would."""
+    rng = random.Random(f"{settings.seed}-{iteration}")
+    chosen = rng.sample(tasks, min(settings.tasks_per_iteration, len(tasks)))
+    return [task for task in chosen for _ in range(settings.group_size)]
+
+
+def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[str, Any]]) -> None:
+    """Next to a checkpoint: the replay buffer and the iteration log as of that iteration. The log is written last
+    and atomically: its presence marks the checkpoint complete. (A Weaviate buffer saves a reference only: its
+    server keeps the synthetic transitions added after the checkpoint.)"""
+    if buffer is not None:
+        buffer.save(checkpoint / BUFFER_DIR)
+    tmp = checkpoint / f".{LOG_FILE}.partial"
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in log), encoding="utf-8")
+    tmp.rename(checkpoint / LOG_FILE)
+
+
+def sidecars_complete(checkpoint: Path, with_buffer: bool) -> bool:
+    return (checkpoint / LOG_FILE).is_file() and (not with_buffer or (checkpoint / BUFFER_DIR).is_dir())
+
+
+def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None) -> tuple[ReplayBuffer | None, list[dict[str, Any]]]:
+    log = [json.loads(line) for line in (checkpoint / LOG_FILE).read_text(encoding="utf-8").splitlines() if line]
+    if buffer is not None:
+        buffer = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
+    return buffer, log
+
+
+def last_complete_checkpoint(checkpoints: Path, with_buffer: bool) -> Path | None:
+    """The newest `checkpoint-N` whose side-cars were written; newer ones (a crash mid-save) are removed."""
+    found = sorted((p for p in checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                   key=lambda p: int(p.name.split("-")[-1]))
+    while found and not sidecars_complete(found[-1], with_buffer):
+        shutil.rmtree(found.pop())
+    return found[-1] if found else None
+
+
+def settings_fingerprint(settings: RLSettings, policy_model: str, tasks: list[Task]) -> str:
+    """Checkpoints are only resumed by a run with the same settings, warm start and tasks."""
+    import hashlib
+
+    payload = json.dumps([asdict(settings), policy_model, [t.task_id for t in tasks]], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def prepare_checkpoints(checkpoints: Path, fingerprint: str) -> None:
+    stamp = checkpoints / "fingerprint.txt"
+    if checkpoints.is_dir() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
+        shutil.rmtree(checkpoints)  # made by other settings: resuming them would mix two runs
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint + "\n")
