@@ -195,6 +195,59 @@ class ExperienceModelParams(Section):
     fidelity_max_transitions: int = Field(ge=0, description="held-out transitions scored per environment (0: all)")
 
 
+class PolicyPromptParams(Section):
+    """Mirrors policy.PolicyFormat."""
+
+    max_state_chars: int = Field(gt=0)
+    show_valid_actions: bool
+    max_valid_actions: int = Field(gt=0)
+
+
+class PolicySFTParams(Section):
+    out_dir: str
+    sources: list[Literal["expert", "policy", "random", "human", "synthetic"]] = Field(
+        description="seed trajectory sources the warm start imitates (successful episodes only)")
+    training: TrainingParams
+
+
+class PolicyParams(Section):
+    environments: list[str] = Field(description="whose tasks the policy learns (held-out tasks never)")
+    prompt: PolicyPromptParams
+    max_turns: int = Field(gt=0, description="episode turn limit for the policy, in rollouts and evaluation")
+    max_action_tokens: int = Field(gt=0)
+    sft: PolicySFTParams
+    accuracy_trajectories: int = Field(ge=0, description="held-out seed trajectories for next-action accuracy")
+    eval_tasks: int = Field(ge=0, description="held-out real tasks per environment for closed-loop success")
+
+
+class PPOParams(Section):
+    epochs: int = Field(gt=0)
+    gamma: float = Field(gt=0, le=1)
+    gae_lambda: float = Field(ge=0, le=1)
+    value_coef: float = Field(ge=0)
+    value_learning_rate: float = Field(gt=0)
+
+
+class SyntheticRLParams(Section):
+    """Mirrors rl.RLSettings (max_turns and max_action_tokens come from policy)."""
+
+    algorithm: Literal["grpo", "ppo"]
+    out_dir: str
+    iterations: int = Field(gt=0)
+    tasks_per_iteration: int = Field(gt=0)
+    group_size: int = Field(gt=1, description="episodes per task; GRPO compares them within the group")
+    learning_rate: float = Field(gt=0)
+    temperature: float = Field(gt=0)
+    beta: float = Field(ge=0, description="KL penalty towards the warm start")
+    clip_epsilon: float = Field(gt=0)
+    max_tokens: int = Field(gt=0, description="an episode's whole token sequence")
+    micro_batch_size: int = Field(gt=0)
+    save_every: int = Field(gt=0)
+    save_total_limit: int = Field(gt=0)
+    lora: LoraParams | None = Field(description="null: full fine-tuning")
+    ppo: PPOParams
+
+
 class Params(Section):
     seed: int
     data: DataParams
@@ -206,6 +259,8 @@ class Params(Section):
     buffer: BufferParams
     annotate: AnnotateParams
     experience_model: ExperienceModelParams
+    policy: PolicyParams
+    synthetic_rl: SyntheticRLParams
 
 
 def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:

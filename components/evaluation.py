@@ -69,14 +69,15 @@ class EvaluationResult:
 
 def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task],
                     make_policy: Callable[[Environment], Policy], *, workers: int, confidence: float, name: str,
-                    progress: Callable[[str], None] | None = print) -> EvaluationResult:
+                    progress: Callable[[str], None] | None = print, max_steps: int | None = None) -> EvaluationResult:
     """Play every task once with a fresh policy from `make_policy(env)`, `workers` environments in parallel.
 
     Each worker thread opens its own environment and takes the next unplayed task until none is left; results
     are stored by task index, so the output order never depends on timing. The first error (in a policy or an
-    environment) stops the other workers and is raised; every environment is closed on every path.
+    environment) stops the other workers and is raised; every environment is closed on every path. `max_steps`
+    (default: the environment's own cap) bounds each episode.
     """
-    max_steps = kind.max_steps(env_params)
+    max_steps = max_steps or kind.max_steps(env_params)
     source = name if name in SOURCES else "policy"
     trajectories: list[Trajectory | None] = [None] * len(tasks)
     lock = threading.Lock()

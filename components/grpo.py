@@ -77,7 +77,7 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
     resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
     rows: list[dict[str, Any]] = []
     if resume is not None:
-        buffer, rows = load_sidecars(resume, buffer)
+        rows = load_sidecars(resume, buffer)
         log.info("resuming from %s (%d iterations done)", resume, len(rows))
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")

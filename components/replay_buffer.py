@@ -399,6 +399,20 @@ class FaissReplayBuffer(ReplayBuffer):
                 results.append(hits)
             return results
 
+    def export(self, source: Source | None = None) -> tuple[list[Retrieved], np.ndarray]:
+        """The stored records (of one source, or all) with their vectors, e.g. to merge into another buffer."""
+        with self._lock:
+            records: list[Retrieved] = []
+            vectors: list[np.ndarray] = []
+            for environment, index in sorted(self._indexes.items()):
+                rows = self._rows[environment]
+                stored = index.reconstruct_n(0, index.ntotal)
+                keep = [i for i, row in enumerate(rows) if source in (None, self._records[row].source)]
+                records += [self._records[rows[i]] for i in keep]
+                vectors.append(stored[keep])
+            width = self._dimension or 0
+            return records, (np.concatenate(vectors) if vectors else np.zeros((0, width), dtype=np.float32))
+
     def count(self, environment: str | None = None, source: Source | None = None) -> int:
         with self._lock:
             return sum(n for (env, src), n in self._sources.items()

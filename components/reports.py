@@ -30,3 +30,43 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 
 def _cell(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def line_plot(rows: list[dict[str, Any]], x: str, ys: list[str], path: str | Path, title: str) -> Path | None:
+    """One small panel per series in `ys` against `x` (learning curves), saved as a PNG; None when no rows."""
+    series = [y for y in ys if any(row.get(y) is not None for row in rows)]
+    if not rows or not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(series), figsize=(3.2 * len(series), 2.8), squeeze=False)
+    for axis, y in zip(axes[0], series):
+        points = [(row[x], row[y]) for row in rows if row.get(y) is not None]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+        axis.set_title(y, fontsize=9)
+        axis.set_xlabel(x, fontsize=8)
+        axis.tick_params(labelsize=7)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Rows as CSV (DVC plots read it); columns are the union of the rows' keys, in first-seen order."""
+    import csv
+
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

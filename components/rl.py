@@ -105,11 +105,20 @@ def sidecars_complete(checkpoint: Path, with_buffer: bool) -> bool:
     return (checkpoint / LOG_FILE).is_file() and (not with_buffer or (checkpoint / BUFFER_DIR).is_dir())
 
 
-def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None) -> tuple[ReplayBuffer | None, list[dict[str, Any]]]:
+def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None) -> list[dict[str, Any]]:
+    """Restore `buffer` in place to its state at the checkpoint and return the iteration log up to it.
+
+    In place, because the synthetic environments retrieve from the very buffer object the caller passed: the run
+    must continue with the synthetic transitions it had made. A fresh buffer (seed transitions only) gets the
+    checkpoint's synthetic transitions added with their stored vectors; a server-side (Weaviate) buffer already
+    holds them.
+    """
     log = [json.loads(line) for line in (checkpoint / LOG_FILE).read_text(encoding="utf-8").splitlines() if line]
-    if buffer is not None:
-        buffer = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
-    return buffer, log
+    if buffer is not None and buffer.backend == "embedded":
+        saved = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
+        records, vectors = saved.export(source="synthetic")
+        buffer.add_vectors(records, vectors)
+    return log
 
 
 def last_complete_checkpoint(checkpoints: Path, with_buffer: bool) -> Path | None:

@@ -62,18 +62,28 @@ class EpisodeBatch(Protocol):
 
 
 class SyntheticBatch:
-    """Episodes in the synthetic environment: one `step_batch` (one experience-model call) per turn."""
+    """Episodes in synthetic environments (one per imitated environment name): one `step_batch`, i.e. one
+    experience-model call, per environment per turn."""
 
-    def __init__(self, env: SyntheticEnvironment) -> None:
-        self.env = env
+    def __init__(self, *envs: SyntheticEnvironment) -> None:
+        self.envs = {env.name: env for env in envs}
         self.episodes: list = []
 
     def start(self, tasks: Sequence[Task]) -> list[Observation]:
-        self.episodes = [self.env.new_episode(task) for task in tasks]
+        unknown = sorted({t.environment for t in tasks} - set(self.envs))
+        if unknown:
+            raise ValueError(f"no synthetic environment for {unknown} (have {sorted(self.envs)})")
+        self.episodes = [self.envs[task.environment].new_episode(task) for task in tasks]
         return [Observation(episode.state) for episode in self.episodes]
 
     def step(self, indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
-        return self.env.step_batch([self.episodes[i] for i in indices], actions)
+        results: dict[int, StepResult] = {}
+        for name, env in self.envs.items():
+            mine = [(i, a) for i, a in zip(indices, actions, strict=True) if self.episodes[i].task.environment == name]
+            if mine:
+                stepped = env.step_batch([self.episodes[i] for i, _ in mine], [a for _, a in mine])
+                results.update({i: r for (i, _), r in zip(mine, stepped, strict=True)})
+        return [results[i] for i in indices]
 
     def trajectory(self, index: int) -> Trajectory:
         return record_trajectory(self.episodes[index])

@@ -4,6 +4,7 @@ DVC (`dreamgym stage NAME`) and Prefect (`flows/`) call these same functions, so
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -245,6 +246,192 @@ def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[st
     return metrics
 
 
+def _policy_trajectories(params: Params, root: Path, heldout: bool) -> list[Trajectory]:
+    """Seed trajectories of the policy's environments, of training tasks (or of held-out ones)."""
+    fraction = params.data.heldout_task_fraction
+    return [t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
+            if t.task.environment in params.policy.environments
+            and is_heldout_task(t.task.task_id, fraction) == heldout]
+
+
+def _demonstrations(params: Params, trajectories: list[Trajectory]) -> list[Trajectory]:
+    """What the warm start imitates: successful episodes of the configured sources."""
+    return [t for t in trajectories if t.success and t.source in params.policy.sft.sources]
+
+
+def _policy_format(params: Params):
+    from components.policy import PolicyFormat
+
+    return PolicyFormat(**params.policy.prompt.model_dump())
+
+
+def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Warm-start the policy (models.policy) by SFT on successful seed episodes of training tasks."""
+    from components import policy, sft
+    from components.experience_model import HFGenerationBackend
+
+    root, settings = Path(root), params.policy.sft
+    demonstrations = _demonstrations(params, _policy_trajectories(params, root, heldout=False))
+    if not demonstrations:
+        raise StageError(f"no successful {settings.sources} seed episodes of training tasks in "
+                         f"{params.policy.environments}: onboard some, or change policy.sft.sources")
+    fmt = _policy_format(params)
+    training = settings.training
+    lora = sft.LoraSettings(**training.lora.model_dump()) if training.lora else None
+    result = sft.train_sft(policy.sft_examples(demonstrations, fmt), params.models.policy, root / settings.out_dir,
+                           sft.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=params.seed),
+                           cache_dir=root / params.models.cache_dir)
+    heldout = _demonstrations(params, _policy_trajectories(params, root, heldout=True))
+    heldout = heldout[:params.policy.accuracy_trajectories]
+    accuracy = None
+    if heldout:
+        model, tokenizer = sft.load_trained_model(result.model_dir)
+        accuracy = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,
+                                               params.policy.max_action_tokens)
+    metrics = {"demonstrations": len(demonstrations), "examples": result.examples, "too_long": result.too_long,
+               "global_step": result.global_step, "train_loss": result.train_loss,
+               "seconds": round(result.seconds, 1), "heldout_next_action": accuracy}
+    text = (f"# Policy warm start (SFT)\n\n`{params.models.policy}` fine-tuned on {result.examples} steps of "
+            f"{len(demonstrations)} successful {'/'.join(settings.sources)} seed episodes of training tasks "
+            f"({result.too_long} steps left out as longer than {training.max_seq_len} tokens): {result.global_step} "
+            f"optimizer steps, final training loss {result.train_loss}, {result.seconds:.0f} s.\n\n")
+    if accuracy:
+        text += (f"Teacher-forced next-action accuracy on {len(heldout)} held-out seed episodes: "
+                 f"**{accuracy['accuracy']:.3f}** ({accuracy['correct']}/{accuracy['steps']} steps). By step:\n\n"
+                 + markdown_table(["step", "accuracy"], [[k, v] for k, v in accuracy["by_step"].items()]))
+    write_stage_outputs("train_policy_sft", metrics, text, root)
+    return metrics
+
+
+def _rl_tasks(params: Params, root: Path) -> list:
+    """Training tasks of the policy's environments, each with its seed first state (the synthetic reset)."""
+    from dataclasses import replace
+
+    first_states: dict[str, tuple] = {}
+    for trajectory in _policy_trajectories(params, root, heldout=False):
+        if trajectory.steps and trajectory.task.task_id not in first_states:
+            first_states[trajectory.task.task_id] = (trajectory.task, trajectory.steps[0].state)
+    return [replace(task, parameters={**task.parameters, "initial_state": state})
+            for task, state in sorted(first_states.values(), key=lambda pair: pair[0].task_id)]
+
+
+def _rl_settings(params: Params):
+    from components.rl import RLSettings
+    from components.sft import LoraSettings
+
+    rl = params.synthetic_rl
+    return RLSettings(
+        **rl.model_dump(exclude={"out_dir", "lora", "ppo"}), lora=LoraSettings(**rl.lora.model_dump()) if rl.lora
+        else None, max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens,
+        ppo_epochs=rl.ppo.epochs, gamma=rl.ppo.gamma, gae_lambda=rl.ppo.gae_lambda, value_coef=rl.ppo.value_coef,
+        value_learning_rate=rl.ppo.value_learning_rate, seed=params.seed)
+
+
+def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """RL of the warm-started policy inside the synthetic environment (experience model + replay buffer)."""
+    from components import experience_model as em
+    from components.environments.synthetic import SyntheticEnvironment
+    from components.reports import line_plot, write_csv
+    from components.rollouts import SyntheticBatch
+
+    root, settings = Path(root), params.synthetic_rl
+    tasks = _rl_tasks(params, root)
+    if len(tasks) < settings.tasks_per_iteration:
+        raise StageError(f"{len(tasks)} training tasks in {params.policy.environments} with seed episodes; "
+                         f"synthetic_rl.tasks_per_iteration is {settings.tasks_per_iteration}")
+    buffer = _saved_buffer(params, root)  # a copy in memory: synthetic experience never alters index_buffer's output
+    experience = params.experience_model
+    fmt, inference = em.PromptFormat(**experience.prompt.model_dump()), experience.inference
+    model = params.models.experience if inference.backend == "openai" else str(root / experience.out_dir / "model")
+    backend = em.make_backend(inference.backend, model, inference.batch_size, inference.base_url)
+    stats = em.PredictionStats()
+    envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
+                                 stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
+                                 temperature=inference.temperature) for name in params.policy.environments]
+    if settings.algorithm == "grpo":
+        from components.grpo import train_grpo as train
+    else:
+        from components.ppo import train_ppo as train
+    warm_start = str(root / params.policy.sft.out_dir / "model")
+    result = train(warm_start, tasks, lambda: SyntheticBatch(*envs), buffer, _policy_format(params),
+                   _rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir)
+    buffer.save(root / settings.out_dir / "replay_buffer")
+    rows = result.log
+    write_csv(rows, root / "metrics" / "synthetic_rl_iterations.csv")
+    curves = ["reward_mean", "success_rate", "kl", "entropy", "policy_tokens_mean", "optimisation_s"]
+    line_plot(rows, "iteration", curves, root / "reports" / "synthetic_rl.png",
+              f"{settings.algorithm.upper()} in the synthetic environment")
+    metrics = {"algorithm": settings.algorithm, "iterations": result.iterations, "tasks": len(tasks),
+               "episodes": len(rows) * settings.tasks_per_iteration * settings.group_size,
+               "synthetic_transitions": sum(row["synthetic_transitions"] for row in rows),
+               "buffer_size": len(buffer), "experience_model": stats.as_dict(),
+               "final": {key: rows[-1].get(key) for key in ("reward_mean", "success_rate", "kl")} if rows else {},
+               "seconds": round(result.seconds, 1), "resumed": result.resumed_from is not None}
+    shown = ["iteration", "reward_mean", "success_rate", "kl", "entropy", "turns_mean", "policy_tokens_mean",
+             "synthetic_transitions", "policy_generation_s", "environment_s", "optimisation_s"]
+    text = (f"# Synthetic RL ({settings.algorithm.upper()})\n\nThe warm-started policy trained for "
+            f"{result.iterations} iterations inside the synthetic environment ({len(tasks)} training tasks, "
+            f"{settings.tasks_per_iteration} per iteration x {settings.group_size} episodes, at most "
+            f"{params.policy.max_turns} turns). {metrics['synthetic_transitions']} synthetic transitions were "
+            f"generated and appended to the replay buffer (now {len(buffer)}); the experience model fell back on "
+            f"{stats.fallbacks} of {stats.requests} predictions. Wall time {result.seconds:.0f} s.\n\n"
+            "![learning curves](synthetic_rl.png)\n\n"
+            + markdown_table(shown, [[row.get(key) for key in shown] for row in rows]))
+    write_stage_outputs("synthetic_rl", metrics, text, root)
+    return metrics
+
+
+def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """The warm start and the synthetic-RL policy on held-out tasks: closed-loop real-environment success (with
+    confidence intervals) and teacher-forced next-action accuracy on held-out seed episodes."""
+    from components import policy, sft
+    from components.environments.registry import has_adapter, real_environment
+    from components.evaluation import evaluate_policy, format_success
+    from components.experience_model import HFGenerationBackend
+
+    root, fmt = Path(root), _policy_format(params)
+    candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
+                  f"synthetic {params.synthetic_rl.algorithm}": root / params.synthetic_rl.out_dir / "model"}
+    heldout = _demonstrations(params, _policy_trajectories(params, root, heldout=True))
+    heldout = heldout[:params.policy.accuracy_trajectories]
+    environments = [name for name in params.policy.environments if has_adapter(name)]
+    skipped = [name for name in params.policy.environments if not has_adapter(name)]
+    tasks = {name: real_environment(name).make_tasks(params.environments, "heldout", params.policy.eval_tasks,
+                                                     params.seed) for name in environments}
+    metrics: dict[str, Any] = {"skipped": skipped}
+    rows = []
+    for label, model_dir in candidates.items():
+        model, tokenizer = sft.load_trained_model(model_dir)
+        entry: dict[str, Any] = {}
+        if heldout:
+            entry["next_action"] = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,
+                                                               params.policy.max_action_tokens)
+        for name in environments:
+            result = evaluate_policy(real_environment(name), params.environments, tasks[name],
+                                     policy.policy_factory(model, tokenizer, fmt, params.policy.max_action_tokens),
+                                     workers=params.evaluate.workers, confidence=params.evaluate.confidence,
+                                     name=label.replace(" ", "-"), max_steps=params.policy.max_turns)
+            entry[name] = result.metrics()
+            accuracy = entry.get("next_action", {}).get("accuracy")
+            rows.append([name, label, result.episodes, format_success(result),
+                         f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
+                         f"{result.wall_s:.0f}"])
+        metrics[label.replace(" ", "_")] = entry
+    rl_metrics = metrics_path("synthetic_rl", root)
+    transitions = json.loads(rl_metrics.read_text())["synthetic_transitions"] if rl_metrics.exists() else "n/a"
+    confidence = params.evaluate.confidence
+    text = ("# Policies on held-out tasks\n\n"
+            + markdown_table(["environment", "policy", "episodes", f"success [{confidence:.0%} CI]",
+                              "next-action accuracy", "mean steps", "wall time (s)"], rows)
+            + f"\nClosed loop: each policy plays {params.policy.eval_tasks} held-out real tasks per environment once "
+              f"(greedy, at most {params.policy.max_turns} turns); Wilson intervals. Next-action accuracy is "
+              f"teacher-forced on {len(heldout)} held-out seed episodes. The RL policy saw {transitions} synthetic "
+              "transitions and no real ones beyond the seed.\n"
+            + (f"\nSkipped (no real-environment adapter): {', '.join(skipped)}.\n" if skipped else ""))
+    write_stage_outputs("evaluate_policies", metrics, text, root)
+    return metrics
+
+
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult:
     """Onboard the collected seed set (collect_seed's output) into the versioned data directory."""
     root = Path(root)
@@ -266,4 +453,5 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
 # stage name (in dvc.yaml and as a Prefect flow) -> function, in pipeline order; later stages join here
 STAGES = {"collect_seed": collect_seed, "validate": validate, "annotate": annotate, "index_buffer": index_buffer,
           "train_experience_model": train_experience_model, "evaluate_experience_model": evaluate_experience_model,
+          "train_policy_sft": train_policy_sft, "synthetic_rl": synthetic_rl, "evaluate_policies": evaluate_policies,
           "evaluate": evaluate}

@@ -14,6 +14,9 @@ BIN = Path(sys.executable).parent  # the venv's console scripts: dreamgym, dvc, 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+# Test models are tiny: intra-op threads gain nothing and, on a busy 2-core machine, their spin-waiting makes every
+# forward pass several times slower. Set before torch is imported, here and in the stages tests run as subprocesses.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -75,6 +78,24 @@ def tiny_experience_model(model_dir: Path, environment: str) -> dict:
         "experience_model.training.max_seq_len": 4096,
         "experience_model.inference.max_new_tokens": 16,
         "experience_model.fidelity_max_transitions": 3,
+    }
+
+
+def tiny_policy(model_dir: Path) -> dict:
+    """Overrides that warm-start, RL-train and evaluate the policy on `model_dir` in seconds."""
+    return {
+        "models.policy": str(model_dir),
+        "policy.sft.training.max_steps": 1,
+        "policy.sft.training.lora.top_layers": None,
+        "policy.accuracy_trajectories": 2,
+        "policy.eval_tasks": 1,
+        "policy.max_turns": 2,
+        "policy.max_action_tokens": 4,
+        "synthetic_rl.iterations": 2,
+        "synthetic_rl.tasks_per_iteration": 1,
+        "synthetic_rl.group_size": 2,
+        "synthetic_rl.lora.top_layers": None,
+        "synthetic_rl.max_tokens": 1024,
     }
 
 

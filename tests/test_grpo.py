@@ -58,6 +58,8 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
     assert len((checkpoint / LOG_FILE).read_text().splitlines()) == 2
 
     # the same settings again: nothing left to do, the log and buffer come back from the last checkpoint
-    again = train_grpo(str(policy_dir), TASKS, _batch, FaissReplayBuffer(HashingEncoder()), PolicyFormat(), SETTINGS,
-                       tmp_path / "rl", cache_dir=tmp_path)
+    fresh = FaissReplayBuffer(HashingEncoder())
+    again = train_grpo(str(policy_dir), TASKS, _batch, fresh, PolicyFormat(), SETTINGS, tmp_path / "rl",
+                       cache_dir=tmp_path)
     assert again.resumed_from and again.iterations == 2 and again.log == json.loads(json.dumps(result.log))
+    assert len(fresh) == len(buffer)  # restored in place: the caller's buffer object holds the synthetic transitions

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from components.stages import STAGES
-from tests.conftest import SMALL_RUN, run, set_params, tiny_experience_model
+from tests.conftest import SMALL_RUN, run, set_params, tiny_experience_model, tiny_policy
 
 
 @pytest.fixture
@@ -40,6 +40,7 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_
     from flows.pipeline import pipeline_flow
 
     set_params(project, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
+                         **tiny_policy(tiny_model_dir),
                          "data.heldout_task_fraction": 0.4})  # splits the two tasks: one trains, one is held out
     monkeypatch.chdir(project)
     state = pipeline_flow(return_state=True)
@@ -140,3 +141,63 @@ def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_
         overall = fidelity[predictor]["overall"]
         assert overall["n"] == 3 and 0 <= overall["token_f1"] <= 1 and 0 <= overall["reward_accuracy"] <= 1
     assert "copy nearest neighbour" in (onboarded / "reports" / "evaluate_experience_model.md").read_text()
+
+
+def _train_experience_model(project, model_dir, environment, **overrides):
+    set_params(project, {**tiny_experience_model(model_dir, environment), **tiny_policy(model_dir),
+                         "policy.environments": [environment], **overrides})
+    for stage in ("annotate", "index_buffer", "train_experience_model"):
+        run("dreamgym", "stage", stage, cwd=project)
+
+
+def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
+    """train_policy_sft -> synthetic_rl -> evaluate_policies on tiny models, in a seed-only domain."""
+    _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen", **{"data.heldout_task_fraction": 0.3})
+    for stage in ("train_policy_sft", "synthetic_rl", "evaluate_policies"):
+        run("dreamgym", "stage", stage, cwd=onboarded)
+    warm = json.loads((onboarded / "metrics" / "train_policy_sft.json").read_text())
+    assert warm["global_step"] == 1 and warm["demonstrations"] > 0 and warm["heldout_next_action"]["steps"] > 0
+    rl = json.loads((onboarded / "metrics" / "synthetic_rl.json").read_text())
+    assert rl["iterations"] == 2 and rl["episodes"] == 4 and rl["synthetic_transitions"] > 0
+    rows = (onboarded / "metrics" / "synthetic_rl_iterations.csv").read_text().splitlines()
+    assert rows[0].startswith("iteration,reward_mean") and len(rows) == 3
+    assert (onboarded / "reports" / "synthetic_rl.png").stat().st_size > 1000
+    assert (onboarded / "models" / "policy" / "rl" / "replay_buffer" / "buffer.json").exists()
+    evaluated = json.loads((onboarded / "metrics" / "evaluate_policies.json").read_text())
+    assert evaluated["skipped"] == ["demo-kitchen"]  # no real environment: accuracy only
+    assert {"sft_warm_start", "synthetic_grpo"} <= set(evaluated)
+    assert "next-action accuracy" in (onboarded / "reports" / "evaluate_policies.md").read_text()
+
+
+def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_model_dir):
+    """SIGKILL during iteration 3 of 4; the rerun resumes from checkpoint 2 and ends like an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import BIN
+
+    _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen",
+                            **{"data.heldout_task_fraction": 0.3, "synthetic_rl.iterations": 4})
+    run("dreamgym", "stage", "train_policy_sft", cwd=onboarded)
+    seeded = json.loads((onboarded / "metrics" / "index_buffer.json").read_text())["transitions"]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    process = subprocess.Popen(["dreamgym", "stage", "synthetic_rl"], cwd=onboarded, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    done_marker = onboarded / "models" / "policy" / "rl" / "checkpoints" / "checkpoint-2" / "iterations.jsonl"
+    deadline = time.monotonic() + 300
+    while not done_marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert done_marker.exists() and process.poll() is None, "training ended or stalled before checkpoint 2"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (onboarded / "metrics" / "synthetic_rl.json").exists()
+
+    run("dreamgym", "stage", "synthetic_rl", cwd=onboarded)
+    rl = json.loads((onboarded / "metrics" / "synthetic_rl.json").read_text())
+    rows = (onboarded / "metrics" / "synthetic_rl_iterations.csv").read_text().splitlines()[1:]
+    assert rl["resumed"] and rl["iterations"] == 4
+    assert [int(row.split(",")[0]) for row in rows] == [1, 2, 3, 4]  # none lost, none repeated
+    # the tiny experience model never ends an episode, so every episode lasts max_turns (2): 4 iterations x 2 x 2
+    assert rl["synthetic_transitions"] == 16 and rl["buffer_size"] == seeded + 16
