@@ -59,20 +59,21 @@ def load_model(name: str, cache_dir: str) -> tuple[Any, Any, str]:
 
 
 def seed_steps(trajectories: list[Trajectory], count: int) -> list[tuple[Trajectory, int]]:
-    """`count` (trajectory, step index) pairs, round-robin over the trajectories so states differ."""
+    """`count` (trajectory, step index) pairs with distinct (state, action): step 0 of every trajectory, then step 1
+    of every trajectory, and so on (repeated if the seed data has fewer)."""
     pool = [t for t in trajectories if t.task.environment == ENVIRONMENT and t.steps]
     if not pool:
         raise SystemExit(f"no {ENVIRONMENT} trajectories in the seed data")
-    chosen, depth = [], 0
-    while len(chosen) < count:
-        added = False
+    chosen, seen = [], set()
+    for depth in range(max(len(t.steps) for t in pool)):
         for trajectory in pool:
             if depth < len(trajectory.steps) and len(chosen) < count:
-                chosen.append((trajectory, depth))
-                added = True
-        if not added:
-            chosen += chosen[: count - len(chosen)]  # fewer steps than asked for: repeat them
-        depth += 1
+                step = trajectory.steps[depth]
+                if (step.state, step.action) not in seen:
+                    seen.add((step.state, step.action))
+                    chosen.append((trajectory, depth))
+    while len(chosen) < count:
+        chosen += chosen[: count - len(chosen)]
     return chosen
 
 

@@ -16,7 +16,7 @@ swift_dir, script, *args = sys.argv[1:]
 utils.set_swift_dir(swift_dir)  # also re-reads the hash prefix/suffix from SWIFT_DIR/swift.conf
 
 # These read swift.conf when first imported; reload in case something imported them before the switch.
-from swift.common import constraints, storage_policy
+from swift.common import constraints, storage_policy  # noqa: E402
 
 constraints.reload_constraints()
 storage_policy.reload_storage_policies()
