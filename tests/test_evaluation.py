@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -122,7 +123,16 @@ def test_a_failing_policy_propagates_and_closes_every_engine(textworld, error: t
     assert not engine_children()
 
 
-def test_ctrl_c_in_the_caller_stops_the_workers_and_closes_every_engine(textworld) -> None:
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own Ctrl-C handler: a test run launched in the background (nohup, `&`) starts with SIGINT ignored,
+    and then interrupt_main does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_the_caller_stops_the_workers_and_closes_every_engine(textworld, ctrl_c_raises) -> None:
     kind, params, tasks = textworld
 
     def make_policy(env):
