@@ -25,17 +25,9 @@ from components.environments.synthetic import add_to_buffer
 from components.files import atomic_directory
 from components.policy import PolicyFormat
 from components.replay_buffer import ReplayBuffer
-from components.rl import (
-    RLResult,
-    RLSettings,
-    iteration_record,
-    last_complete_checkpoint,
-    load_sidecars,
-    prepare_checkpoints,
-    save_sidecars,
-    settings_fingerprint,
-)
+from components.rl import RLResult, RLSettings, iteration_record, save_sidecars, start_run
 from components.rollouts import EpisodeBatch, RolloutStats, rollout
+from components.sft import lora_config
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.x
@@ -69,16 +61,8 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
     if settings.episodes_per_iteration % settings.micro_batch_size:
         raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "
                          f"of micro_batch_size ({settings.micro_batch_size})")
-    if len(tasks) < settings.tasks_per_iteration:
-        raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     out_dir = Path(out_dir)
-    checkpoints = out_dir / "checkpoints"
-    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, tasks))
-    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
-    rows: list[dict[str, Any]] = []
-    if resume is not None:
-        rows = load_sidecars(resume, buffer)
-        log.info("resuming from %s (%d iterations done)", resume, len(rows))
+    checkpoints, resume, rows = start_run(policy_model, tasks, buffer, settings, out_dir)
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
     by_id = {task.task_id: task for task in tasks}
@@ -126,14 +110,7 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows)
 
-    peft_config = None
-    if settings.lora is not None:
-        from peft import LoraConfig
-
-        from components.sft import _lora_targets
-
-        peft_config = LoraConfig(r=settings.lora.r, lora_alpha=settings.lora.alpha, lora_dropout=settings.lora.dropout,
-                                 target_modules=_lora_targets(model, settings.lora), task_type="CAUSAL_LM")
+    peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
     args = GRPOConfig(
         output_dir=str(checkpoints),
         max_steps=settings.iterations,

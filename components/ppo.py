@@ -35,17 +35,7 @@ from components.environments.synthetic import add_to_buffer
 from components.files import atomic_directory
 from components.policy import PolicyFormat
 from components.replay_buffer import ReplayBuffer
-from components.rl import (
-    RLResult,
-    RLSettings,
-    iteration_record,
-    last_complete_checkpoint,
-    load_sidecars,
-    prepare_checkpoints,
-    save_sidecars,
-    settings_fingerprint,
-    task_schedule,
-)
+from components.rl import RLResult, RLSettings, iteration_record, save_sidecars, start_run, task_schedule
 from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 
 if TYPE_CHECKING:  # torch and transformers take seconds to import: only the functions that need them do
@@ -291,15 +281,13 @@ def load_policy(policy_model: str, settings: RLSettings, cache_dir: str | Path, 
             model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float32).to(model.device)
         return model, tokenizer, reference
 
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
-    from components.sft import _lora_targets
+    from components.sft import lora_config
 
     if resume is not None:
         return PeftModel.from_pretrained(model, resume, is_trainable=True), tokenizer, None
-    config = LoraConfig(r=settings.lora.r, lora_alpha=settings.lora.alpha, lora_dropout=settings.lora.dropout,
-                        target_modules=_lora_targets(model, settings.lora), task_type="CAUSAL_LM")
-    return get_peft_model(model, config), tokenizer, None
+    return get_peft_model(model, lora_config(model, settings.lora)), tokenizer, None
 
 
 def make_value_head(model: PreTrainedModel) -> torch.nn.Linear:
@@ -394,16 +382,8 @@ def train_ppo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Epi
     iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same settings resumes from
     the last complete checkpoint and plays the same tasks an uninterrupted run would have.
     """
-    if len(tasks) < settings.tasks_per_iteration:
-        raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     out_dir = Path(out_dir)
-    checkpoints = out_dir / "checkpoints"
-    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, tasks))
-    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
-    rows: list[dict[str, Any]] = []
-    if resume is not None:
-        rows = load_sidecars(resume, buffer)
-        log.info("resuming from %s (%d iterations done)", resume, len(rows))
+    checkpoints, resume, rows = start_run(policy_model, tasks, buffer, settings, out_dir)
 
     seed_everything(settings.seed)  # before the LoRA and value-head initialisations, so a fresh run repeats
     model, tokenizer, reference = load_policy(policy_model, settings, cache_dir, resume)

@@ -10,6 +10,7 @@ iteration.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from dataclasses import asdict, dataclass
@@ -22,6 +23,7 @@ from components.rollouts import Episode, RolloutStats
 from components.sft import LoraSettings
 
 BUFFER_DIR, LOG_FILE = "replay_buffer", "iterations.jsonl"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,19 @@ def prepare_checkpoints(checkpoints: Path, fingerprint: str) -> None:
         shutil.rmtree(checkpoints)  # made by other settings: resuming them would mix two runs
     checkpoints.mkdir(parents=True, exist_ok=True)
     stamp.write_text(fingerprint + "\n")
+
+
+def start_run(policy_model: str, tasks: list[Task], buffer: ReplayBuffer | None, settings: RLSettings,
+              out_dir: Path) -> tuple[Path, Path | None, list[dict[str, Any]]]:
+    """Checkpoints dir, the checkpoint to resume from (or None) and the iteration log so far; on resume the buffer
+    is restored in place. Checkpoints of other settings, warm start or tasks are cleared, never resumed."""
+    if len(tasks) < settings.tasks_per_iteration:
+        raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
+    checkpoints = out_dir / "checkpoints"
+    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, tasks))
+    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
+    rows: list[dict[str, Any]] = []
+    if resume is not None:
+        rows = load_sidecars(resume, buffer)
+        log.info("resuming from %s (%d iterations done)", resume, len(rows))
+    return checkpoints, resume, rows

@@ -147,17 +147,7 @@ def train_sft(
         report_to="none",
         disable_tqdm=True,  # _progress_log writes step, loss and ETA as log lines (readable in DVC and Prefect logs)
     )
-    peft_config = None
-    if settings.lora is not None:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=settings.lora.r,
-            lora_alpha=settings.lora.alpha,
-            lora_dropout=settings.lora.dropout,
-            target_modules=_lora_targets(model, settings.lora),
-            task_type="CAUSAL_LM",
-        )
+    peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -185,6 +175,14 @@ def train_sft(
     tmp.rename(model_dir)  # a half-written model never sits at model_dir
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
                           output.metrics.get("train_loss"), resume, time.monotonic() - started)
+
+
+def lora_config(model: PreTrainedModel, lora: LoraSettings) -> Any:
+    """The peft LoraConfig for `model` (shared by SFT, GRPO and PPO)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=_lora_targets(model, lora), task_type="CAUSAL_LM")
 
 
 def _lora_targets(model: PreTrainedModel, lora: LoraSettings) -> str | list[str]:
