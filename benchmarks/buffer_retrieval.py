@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.common import table  # noqa: E402
 from components.replay_buffer import FaissReplayBuffer, Retrieved, SentenceEncoder, render  # noqa: E402
 
 DIM, ENVIRONMENTS, BATCH = 384, ("textworld-cooking", "miniwob"), 32
@@ -134,15 +135,11 @@ def main() -> None:
         rows += encoder_rows(args.encoder_texts)
     header = ["stored", "add or encode /s", "1 query p50 ms", "p99 ms", "1 query excl. p50", f"batch {BATCH} p50 ms",
               "p99 ms", "per query ms", "peak RSS GB"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     import faiss
 
     print(f"\nembedded buffer (faiss {faiss.__version__} IndexFlatIP per environment, {DIM}-d, "
           f"{len(ENVIRONMENTS)} environments, k={args.k}, {faiss.omp_get_max_threads()} faiss threads)")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+    print(table(header, rows))
 
 
 if __name__ == "__main__":

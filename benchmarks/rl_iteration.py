@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from benchmarks.common import load_model, table  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.contract import Task, read_trajectories  # noqa: E402
 from components.environments.base import Observation  # noqa: E402
@@ -66,25 +67,13 @@ def seed_tasks(path: str, count: int) -> list[Task]:
     return list(tasks.values())[:count]
 
 
-def load_experience_model(name: str, cache_dir: str) -> tuple[Any, Any, str]:
-    if Path(name).is_dir():
-        from components.sft import load_trained_model
-
-        model, tokenizer = load_trained_model(name)
-        return model, tokenizer, str(Path(name).resolve())
-    from components.models import load_causal_lm
-
-    model, tokenizer = load_causal_lm(name, cache_dir=cache_dir)
-    return model, tokenizer, f"{name} (from {cache_dir})"
-
-
 def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, out_dir: Path) -> dict[str, Any]:
     from components.grpo import train_grpo
 
     prompt = load_params(args.params).experience_model.prompt
     fmt = PromptFormat(**prompt.model_dump())
     buffer = load_replay_buffer(args.buffer, SentenceEncoder(args.embedder, args.cache_dir, 64))
-    model, tokenizer, name = load_experience_model(args.experience_model, args.cache_dir)
+    model, tokenizer, name = load_model(args.experience_model, args.cache_dir)
     backend = HFGenerationBackend(model, tokenizer, batch_size=settings.episodes_per_iteration)
     stats = PredictionStats()
     played: list[list[str]] = []
@@ -193,14 +182,6 @@ def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
     trainer.train()
     return {"steps": steps, "played": played, "wall": time.perf_counter() - started,
             "prompt_tokens": {row["task_id"]: n for row, n in zip(rows, prompt_tokens, strict=True)}}
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def main() -> None:

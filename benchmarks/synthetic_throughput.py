@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.common import load_model, table  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.contract import Trajectory, read_trajectories  # noqa: E402
 from components.environments.synthetic import SyntheticEnvironment, SyntheticEpisode  # noqa: E402
@@ -43,19 +44,6 @@ from components.experience_model import HFGenerationBackend, PredictionStats, Pr
 from components.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
 
 ENVIRONMENT = "textworld-cooking"
-
-
-def load_model(name: str, cache_dir: str) -> tuple[Any, Any, str]:
-    """A saved model directory (merged or adapter, via load_trained_model), else a packaged alias / HF id."""
-    if Path(name).is_dir():
-        from components.sft import load_trained_model
-
-        model, tokenizer = load_trained_model(name)
-        return model, tokenizer, str(Path(name).resolve())
-    from components.models import load_causal_lm
-
-    model, tokenizer = load_causal_lm(name, cache_dir=cache_dir)
-    return model, tokenizer, f"{name} (from {cache_dir})"
 
 
 def seed_steps(trajectories: list[Trajectory], count: int) -> list[tuple[Trajectory, int]]:
@@ -249,13 +237,9 @@ def main() -> None:
               "synthetic new tok/s",
               "raw new tok/s", "new tok per item syn/raw", "prompt tok", "retrieval ms", "retrieval share",
               "tokenise+decode share", "prompt+parse+rest share", "parse ms", "parsable"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\nsynthetic step_batch vs raw model.generate ({model_name}, {args.max_new_tokens} new tokens, "
           f"best of {args.repeats})")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+    print(table(header, rows))
 
 
 if __name__ == "__main__":
