@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from benchmarks.common import load_model, table  # noqa: E402
+from benchmarks.common import load_model, print_machine, table  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.contract import Task, read_trajectories  # noqa: E402
 from components.environments.base import Observation  # noqa: E402
@@ -56,15 +55,12 @@ ENVIRONMENT = "textworld-cooking"
 
 def seed_tasks(path: str, count: int) -> list[Task]:
     """The first `count` distinct TextWorld tasks of the seed data, each with its first seed state."""
-    tasks: dict[str, Task] = {}
-    for trajectory in read_trajectories(path):
-        task = trajectory.task
-        if task.environment == ENVIRONMENT and trajectory.steps and task.task_id not in tasks:
-            tasks[task.task_id] = Task(task.task_id, task.environment, task.instruction,
-                                       {**task.parameters, "initial_state": trajectory.steps[0].state})
+    from components.environments.synthetic import first_state_tasks
+
+    tasks = first_state_tasks([t for t in read_trajectories(path) if t.task.environment == ENVIRONMENT])
     if len(tasks) < count:
         raise SystemExit(f"only {len(tasks)} {ENVIRONMENT} tasks in {path}, asked for {count}")
-    return list(tasks.values())[:count]
+    return tasks[:count]
 
 
 def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, out_dir: Path) -> dict[str, Any]:
@@ -98,13 +94,13 @@ def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
 
 def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, completion_tokens: int,
              out_dir: Path) -> dict[str, Any]:
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
+    from components.grpo import grpo_config
     from components.models import load_causal_lm
-    from components.sft import _lora_targets
+    from components.sft import lora_config
 
     model, tokenizer = load_causal_lm(args.policy, cache_dir=args.cache_dir, dtype="float32")
     fmt = PolicyFormat()
@@ -143,36 +139,9 @@ def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
                 steps.append({"step": state.global_step, "total_s": total, "generation_s": generation,
                               "rest_s": total - generation, "completion_length": logs.get("completions/mean_length")})
 
-    from peft import LoraConfig
-
-    lora = settings.lora
-    peft_config = None if lora is None else LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=_lora_targets(model, lora),
-        task_type="CAUSAL_LM")
-    config = GRPOConfig(
-        output_dir=str(out_dir / "bare"),
-        max_steps=settings.iterations,
-        per_device_train_batch_size=settings.micro_batch_size,
-        gradient_accumulation_steps=settings.episodes_per_iteration // settings.micro_batch_size,
-        num_generations=settings.group_size,
-        max_completion_length=completion_tokens,
-        generation_kwargs={"min_new_tokens": completion_tokens},
-        temperature=settings.temperature,
-        learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant",
-        beta=settings.beta,
-        epsilon=settings.clip_epsilon,
-        loss_type="dapo",
-        scale_rewards="group",
-        logging_steps=1,
-        save_strategy="no",
-        seed=settings.seed,
-        data_seed=settings.seed,
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        report_to="none",
-        disable_tqdm=True,
-    )
+    peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
+    config = grpo_config(settings, out_dir / "bare", max_completion_length=completion_tokens,
+                         generation_kwargs={"min_new_tokens": completion_tokens}, save_strategy="no")
     trainer = TimedGRPOTrainer(model=model, reward_funcs=[length_reward], args=config, train_dataset=dataset,
                                processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimes()])
     prompt_tokens = [len(tokenizer(tokenizer.apply_chat_template(row["prompt"], tokenize=False,
@@ -207,13 +176,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = parser.parse_args()
 
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"$ {shlex.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-          f"device {'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", flush=True)
+    print_machine(args.threads)
 
     settings = RLSettings(iterations=args.iterations, tasks_per_iteration=args.tasks_per_iteration,
                           group_size=args.group_size, max_turns=args.max_turns,

@@ -27,8 +27,6 @@ building, parsing, bookkeeping); parse ms (parse_prediction over the replies, ti
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import load_model, table  # noqa: E402
+from benchmarks.common import load_model, print_machine, table  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.contract import Trajectory, read_trajectories  # noqa: E402
 from components.environments.synthetic import SyntheticEnvironment, SyntheticEpisode  # noqa: E402
@@ -158,13 +156,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = parser.parse_args()
 
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"$ {shlex.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-          f"device {'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    print_machine(args.threads)
 
     prompt = load_params(args.params).experience_model.prompt
     fmt = PromptFormat(**prompt.model_dump()) if args.buffer else PromptFormat(**{**prompt.model_dump(),

@@ -42,6 +42,37 @@ def episode_return(completions: list[Any], episode_return: list[float], **kwargs
     return list(episode_return)
 
 
+def grpo_config(settings: RLSettings, output_dir: str | Path, **overrides: Any) -> Any:
+    """TRL's GRPOConfig for `settings`: one optimizer step per iteration (the iteration's episodes accumulate in
+    micro-batches); `overrides` set anything else (checkpointing, generation limits)."""
+    import torch
+    from trl import GRPOConfig
+
+    return GRPOConfig(**{
+        "output_dir": str(output_dir),
+        "max_steps": settings.iterations,
+        "per_device_train_batch_size": settings.micro_batch_size,
+        "gradient_accumulation_steps": settings.episodes_per_iteration // settings.micro_batch_size,
+        "num_generations": settings.group_size,
+        "max_completion_length": settings.max_tokens,
+        "temperature": settings.temperature,
+        "learning_rate": settings.learning_rate,
+        "lr_scheduler_type": "constant",
+        "beta": settings.beta,
+        "epsilon": settings.clip_epsilon,
+        "loss_type": "dapo",  # token-level normalisation: long episodes are not down-weighted per token
+        "scale_rewards": "group",
+        "logging_steps": 1,
+        "seed": settings.seed,
+        "data_seed": settings.seed,
+        "use_cpu": not torch.cuda.is_available(),
+        "bf16": False,
+        "report_to": "none",
+        "disable_tqdm": True,
+        **overrides,
+    })
+
+
 def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], EpisodeBatch],
                buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
                cache_dir: str | Path = ".cache/models") -> RLResult:
@@ -51,10 +82,9 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
     replay buffer and iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same
     settings resumes from the last complete checkpoint; TRL's sampler skips the iterations already done.
     """
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from components.models import load_causal_lm
 
@@ -111,31 +141,8 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
             save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows)
 
     peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
-    args = GRPOConfig(
-        output_dir=str(checkpoints),
-        max_steps=settings.iterations,
-        per_device_train_batch_size=settings.micro_batch_size,
-        gradient_accumulation_steps=settings.episodes_per_iteration // settings.micro_batch_size,
-        num_generations=settings.group_size,
-        max_completion_length=settings.max_tokens,
-        temperature=settings.temperature,
-        learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant",
-        beta=settings.beta,
-        epsilon=settings.clip_epsilon,
-        loss_type="dapo",  # token-level normalisation: long episodes are not down-weighted per token
-        scale_rewards="group",
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=settings.save_every,
-        save_total_limit=settings.save_total_limit,
-        seed=settings.seed,
-        data_seed=settings.seed,
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        report_to="none",
-        disable_tqdm=True,
-    )
+    args = grpo_config(settings, checkpoints, save_strategy="steps", save_steps=settings.save_every,
+                       save_total_limit=settings.save_total_limit)
     trainer = GRPOTrainer(model=model, reward_funcs=[episode_return], args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout_func,
                           callbacks=[IterationLog()])

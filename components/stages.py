@@ -259,6 +259,12 @@ def _demonstrations(params: Params, trajectories: list[Trajectory]) -> list[Traj
     return [t for t in trajectories if t.success and t.source in params.policy.sft.sources]
 
 
+def _heldout_demonstrations(params: Params, root: Path) -> list[Trajectory]:
+    """Held-out seed demonstrations scored for next-action accuracy (at most policy.accuracy_trajectories)."""
+    heldout = _demonstrations(params, _policy_trajectories(params, root, heldout=True))
+    return heldout[:params.policy.accuracy_trajectories]
+
+
 def _policy_format(params: Params):
     from components.policy import PolicyFormat
 
@@ -281,8 +287,7 @@ def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
     result = sft.train_sft(policy.sft_examples(demonstrations, fmt), params.models.policy, root / settings.out_dir,
                            sft.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=params.seed),
                            cache_dir=root / params.models.cache_dir)
-    heldout = _demonstrations(params, _policy_trajectories(params, root, heldout=True))
-    heldout = heldout[:params.policy.accuracy_trajectories]
+    heldout = _heldout_demonstrations(params, root)
     accuracy = None
     if heldout:
         model, tokenizer = sft.load_trained_model(result.model_dir)
@@ -305,14 +310,10 @@ def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def _rl_tasks(params: Params, root: Path) -> list:
     """Training tasks of the policy's environments, each with its seed first state (the synthetic reset)."""
-    from dataclasses import replace
+    from components.environments.synthetic import first_state_tasks
 
-    first_states: dict[str, tuple] = {}
-    for trajectory in _policy_trajectories(params, root, heldout=False):
-        if trajectory.steps and trajectory.task.task_id not in first_states:
-            first_states[trajectory.task.task_id] = (trajectory.task, trajectory.steps[0].state)
-    return [replace(task, parameters={**task.parameters, "initial_state": state})
-            for task, state in sorted(first_states.values(), key=lambda pair: pair[0].task_id)]
+    tasks = first_state_tasks(_policy_trajectories(params, root, heldout=False))
+    return sorted(tasks, key=lambda task: task.task_id)
 
 
 def _rl_settings(params: Params):
@@ -392,8 +393,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     root, fmt = Path(root), _policy_format(params)
     candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
                   f"synthetic {params.synthetic_rl.algorithm}": root / params.synthetic_rl.out_dir / "model"}
-    heldout = _demonstrations(params, _policy_trajectories(params, root, heldout=True))
-    heldout = heldout[:params.policy.accuracy_trajectories]
+    heldout = _heldout_demonstrations(params, root)
     environments = [name for name in params.policy.environments if has_adapter(name)]
     skipped = [name for name in params.policy.environments if not has_adapter(name)]
     tasks = {name: real_environment(name).make_tasks(params.environments, "heldout", params.policy.eval_tasks,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from components.contract import Step, Task, Trajectory, transitions
 from components.environments.base import Environment, Observation, StepResult
@@ -127,6 +127,18 @@ class SyntheticEnvironment(Environment):
 
 
 # -- write-back ---------------------------------------------------------------------------------------------------
+
+
+def first_state_tasks(trajectories: Sequence[Trajectory]) -> list[Task]:
+    """The distinct tasks of `trajectories` (first seen first), each with its first seed state as
+    `parameters["initial_state"]`: what the synthetic environment resets to."""
+    tasks: dict[str, Task] = {}
+    for trajectory in trajectories:
+        task = trajectory.task
+        if trajectory.steps and task.task_id not in tasks:
+            tasks[task.task_id] = replace(task, parameters={**task.parameters,
+                                                            "initial_state": trajectory.steps[0].state})
+    return list(tasks.values())
 
 
 def record_trajectory(episode: SyntheticEpisode) -> Trajectory:
