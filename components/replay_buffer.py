@@ -193,7 +193,9 @@ class ReplayBuffer(ABC):
         The one retrieval path of training, fidelity evaluation and synthetic rollouts, so the model sees examples
         picked the same way everywhere. One search per environment. Repeats are dropped (seed sets hold the same
         transition many times, and three copies of one example cost three times the tokens for the information of
-        one), so 3k are fetched to leave k.
+        one), so 3k are fetched to leave k. Near-ties are ordered by (trajectory, step): BLAS sums in a
+        thread-count-dependent order, and without this the examples (and every fingerprint of data built from
+        them) would change with the number of threads.
         """
         found: list[list[Retrieved]] = [[] for _ in queries]
         if k <= 0:
@@ -205,6 +207,7 @@ class ReplayBuffer(ABC):
             hits = self.retrieve_batch([(queries[i][1], queries[i][2]) for i in members], environment=environment,
                                        k=3 * k, exclude_trajectories=[queries[i][3] for i in members])
             for i, hit in zip(members, hits, strict=True):
+                hit = sorted(hit, key=lambda r: (-round(r.score, 4), r.trajectory_id, r.step_index))
                 found[i] = distinct(hit)[:k]
         return found
 

@@ -167,6 +167,19 @@ def test_batch_retrieval_matches_single_queries(make_buffer):
 
 
 @backends
+def test_examples_tied_in_score_come_in_trajectory_order(make_buffer):
+    # Seed sets repeat transitions; tied copies must come back in one fixed order whatever the index returns first
+    # (faiss's float sums depend on the thread count), or training data would change with the machine.
+    buffer = make_buffer()
+    copies = [trajectory(f"copy-{n}", "textworld", [("kitchen with a closed fridge", "open fridge")],
+                         task_id=f"task-{n}") for n in (3, 1, 2)]
+    for copy in copies:
+        buffer.add(list(transitions(copy)), "real")
+    [found] = buffer.retrieve_examples([("textworld", "kitchen with a closed fridge", "open fridge", "copy-1")], k=1)
+    assert [key(r) for r in found] == [("copy-2", 0)]  # copy-1 is the query's own; copy-2 sorts before copy-3
+
+
+@backends
 def test_counts_by_environment_and_source_and_idempotent_adds(make_buffer):
     buffer = make_buffer()
     assert len(buffer) == 0
