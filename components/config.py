@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+import zoneinfo
 from pathlib import Path
 from typing import Any, Literal
 
@@ -248,6 +249,32 @@ class SyntheticRLParams(Section):
     ppo: PPOParams
 
 
+class PrefectParams(Section):
+    """Deployments of the pipeline (flows/deployments.py). The server is PREFECT_API_URL, never a param."""
+
+    work_pool: str = Field(description="process work pool whose worker runs the deployed pipeline")
+    deployment: str = Field(description="name of the pipeline's deployment, shown as pipeline/NAME")
+    retrain_cron: str | None = Field(description="cron schedule of retraining, e.g. '0 3 * * 0'; null: none")
+    timezone: str = Field(description="IANA time zone the cron schedule is read in, e.g. UTC")
+    retrain_on_onboard: bool = Field(description="`dreamgym data onboard` of new trajectories starts a run")
+
+    @field_validator("retrain_cron")
+    @classmethod
+    def _five_cron_fields(cls, value: str | None) -> str | None:
+        if value is not None and len(value.split()) != 5:
+            raise ValueError("must be a cron expression of 5 fields: minute hour day-of-month month day-of-week")
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(value)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError("must be an IANA time zone such as UTC or Europe/Berlin") from None
+        return value
+
+
 class Params(Section):
     seed: int
     data: DataParams
@@ -261,6 +288,7 @@ class Params(Section):
     experience_model: ExperienceModelParams
     policy: PolicyParams
     synthetic_rl: SyntheticRLParams
+    prefect: PrefectParams
 
 
 def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Params:

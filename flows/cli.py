@@ -3,6 +3,7 @@
   dreamgym data onboard PATH... [--data-dir DIR]   validate and store seed trajectories (exit 0 / 1 / 2)
   dreamgym stage NAME                              run one pipeline stage directly (what dvc.yaml calls)
   dreamgym flow NAME                               run a stage, or the whole `pipeline`, as a Prefect flow
+  dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("name", choices=sorted(STAGES))
     flow = commands.add_parser("flow", help="run a Prefect flow (it reads params.yaml, as DVC does)")
     flow.add_argument("name", choices=sorted(STAGES) + ["pipeline"])
+    commands.add_parser("deploy", help="register the pipeline's retraining deployment (schedule, onboarding "
+                        "trigger; params.yaml `prefect`) on the Prefect server PREFECT_API_URL names")
     commands.add_parser("params", help="params.yaml").add_argument("action", choices=["check"])
 
     args = parser.parse_args(argv)
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                   "instead of --set/--params", file=sys.stderr)
             return EXIT_UNUSABLE
         return _run(lambda: pipeline.FLOWS[args.name]())
+    if args.command == "deploy":
+        return _deploy(args, params)
     print(f"{args.params}: ok")
     return EXIT_OK
 
@@ -83,7 +89,40 @@ def _onboard(args: argparse.Namespace, params) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNUSABLE
     print(result.summary())
+    if result.added or result.replaced:  # new training data: tell Prefect, whose trigger may start a retraining run
+        _announce_onboarded(result)
     return result.exit_code
+
+
+def _announce_onboarded(result) -> None:
+    from flows.deployments import SEED_ONBOARDED, announce_onboarded
+
+    try:
+        sent = announce_onboarded(result.data_dir, added=result.added, replaced=result.replaced,
+                                  unchanged=result.unchanged, rejected=len(result.rejected))
+    except Exception as error:  # the data is stored; a notification that failed must not fail the onboarding
+        logging.getLogger(__name__).warning("could not notify Prefect of the onboarding: %s", error)
+        return
+    if sent:
+        print(f"Sent Prefect the event {SEED_ONBOARDED}: the deployed pipeline retrains if `dreamgym deploy` "
+              "registered its onboarding trigger")
+
+
+def _deploy(args: argparse.Namespace, params) -> int:
+    from flows.deployments import configured_api_url, deploy
+
+    if not configured_api_url():  # a temporary server would forget the deployment when this command exits
+        print("error: set PREFECT_API_URL to the Prefect server to deploy to (infra/prefect/start.sh starts one)",
+              file=sys.stderr)
+        return EXIT_UNUSABLE
+    root = Path(args.params).resolve().parent  # the checkout whose params.yaml and dvc.yaml the worker runs
+    ids = deploy(root, params)
+    settings = params.prefect
+    schedule = f"cron '{settings.retrain_cron}' ({settings.timezone})" if settings.retrain_cron else "no schedule"
+    trigger = ", runs when new seed data is onboarded" if settings.retrain_on_onboard else ""
+    print(f"Deployed pipeline/{settings.deployment} ({ids[0]}): {schedule}{trigger}; "
+          f"work pool '{settings.work_pool}', working directory {root}")
+    return EXIT_OK
 
 
 def _run(call) -> int:

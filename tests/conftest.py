@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -117,6 +120,51 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@dataclass(frozen=True)
+class PrefectService:
+    api_url: str
+    ui_url: str
+    worker_pool: str  # the pool start.sh's worker polls; deployments in any other pool are never run
+    state_dir: Path
+
+
+@pytest.fixture(scope="session")
+def prefect_service(tmp_path_factory) -> Iterator[PrefectService]:
+    """A real `prefect server start` with its services (scheduler, triggers, UI) and a process worker, started by
+    infra/prefect/start.sh on a free loopback port with its own state directory; stopped at the end.
+
+    The worker polls its own pool, not params.yaml's `dreamgym`: a deployment of the ML pipeline made by a test
+    stays scheduled (nothing trains), while a test can still hand this worker a small flow of its own."""
+    state_dir = tmp_path_factory.mktemp("prefect-service")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "DREAMGYM_PREFECT_PORT": str(port), "DREAMGYM_PREFECT_DIR": str(state_dir),
+           "DREAMGYM_PREFECT_POOL": "dreamgym-tests", "DREAMGYM_PREFECT_TIMEOUT": "180",
+           "PREFECT_WORKER_QUERY_SECONDS": "2"}  # the worker looks for runs every 2 s instead of 10
+    started = subprocess.run([str(REPO / "infra/prefect/start.sh")], env=env, capture_output=True, text=True,
+                             timeout=400)
+    if started.returncode != 0:
+        pytest.fail(f"infra/prefect/start.sh failed (exit {started.returncode}):\n{started.stderr[-4000:]}",
+                    pytrace=False)
+    try:
+        yield PrefectService(api_url=f"http://127.0.0.1:{port}/api", ui_url=f"http://127.0.0.1:{port}",
+                             worker_pool="dreamgym-tests", state_dir=state_dir)
+    finally:
+        subprocess.run([str(REPO / "infra/prefect/stop.sh")], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def prefect_api(prefect_service, monkeypatch) -> Iterator[PrefectService]:
+    """Point this test at `prefect_service`: Prefect clients in the test process (its settings are fixed at import,
+    hence temporary_settings) and the `dreamgym` commands it runs (PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_service.api_url)
+    with temporary_settings(updates={PREFECT_API_URL: prefect_service.api_url}):
+        yield prefect_service
 
 
 from tests.s3_server import s3_server  # noqa: E402,F401  (session fixture: a real Swift S3 store on 127.0.0.1)
