@@ -64,6 +64,7 @@ def seed_tasks(path: str, count: int) -> list[Task]:
 
 
 def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, out_dir: Path) -> dict[str, Any]:
+    from components.curriculum import Curriculum, CurriculumSettings
     from components.grpo import train_grpo
 
     prompt = load_params(args.params).experience_model.prompt
@@ -86,7 +87,8 @@ def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
 
     print(f"experience model: {name}; buffer {args.buffer} ({len(buffer)} transitions)", flush=True)
     started = time.perf_counter()
-    result = train_grpo(args.policy, tasks, make_batch, buffer, PolicyFormat(), settings, out_dir / "ours",
+    curriculum = Curriculum(tasks, CurriculumSettings(enabled=False))  # the overhead of the loop, not of new tasks
+    result = train_grpo(args.policy, curriculum, make_batch, buffer, PolicyFormat(), settings, out_dir / "ours",
                         cache_dir=args.cache_dir)
     wall = time.perf_counter() - started
     return {"log": result.log, "played": played, "stats": stats.as_dict(), "wall": wall, "train_s": result.seconds}
@@ -104,7 +106,7 @@ def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
 
     model, tokenizer = load_causal_lm(args.policy, cache_dir=args.cache_dir, dtype="float32")
     fmt = PolicyFormat()
-    # The same tasks in the same order as train_grpo's dataset, so the seeded sampler draws the same ones per step.
+    # The same tasks as train_grpo's; ours plays rl.task_schedule's picks, TRL's sampler picks here (both listed).
     rows = [{"prompt": [{"role": "system", "content": SYSTEM},
                         state_message(Observation(task.parameters["initial_state"]), fmt, task)],
              "task_id": task.task_id} for task in tasks]

@@ -229,6 +229,19 @@ class PPOParams(Section):
     value_learning_rate: float = Field(gt=0)
 
 
+class CurriculumParams(Section):
+    """Mirrors curriculum.CurriculumSettings."""
+
+    enabled: bool = Field(description="off: the ablation, the base tasks only")
+    top_tasks: int = Field(ge=0, description="highest-variance tasks varied per iteration")
+    variations_per_task: int = Field(gt=0)
+    max_generated_share: float = Field(ge=0, le=1, description="lambda: share of an iteration's tasks generated")
+    min_variance: float = Field(ge=0)
+    max_new_tokens: int = Field(gt=0)
+    temperature: float = Field(ge=0)
+    clusters: int = Field(gt=0, description="PPO: k-means clusters of task embeddings that stand for groups")
+
+
 class SyntheticRLParams(Section):
     """Mirrors rl.RLSettings (max_turns and max_action_tokens come from policy)."""
 
@@ -247,6 +260,7 @@ class SyntheticRLParams(Section):
     save_total_limit: int = Field(gt=0)
     lora: LoraParams | None = Field(description="null: full fine-tuning")
     ppo: PPOParams
+    curriculum: CurriculumParams
 
 
 class PrefectParams(Section):

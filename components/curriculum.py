@@ -158,7 +158,8 @@ class Curriculum:
         unplayed = [t for t in self.generated if t.task_id not in self.variance]
         # newest iteration first; within one iteration, creation order (parents of highest variance first)
         unplayed.sort(key=lambda t: (-t.parameters["generated_at_iteration"], order[t.task_id]))
-        informative = [t for t in self.generated if self.variance.get(t.task_id, 0.0) >= self.settings.min_variance]
+        informative = [t for t in self.generated
+                       if t.task_id in self.variance and self.variance[t.task_id] >= self.settings.min_variance]
         informative.sort(key=lambda t: (-self.variance[t.task_id], t.task_id))
         return (unplayed + informative)[:cap]
 

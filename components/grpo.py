@@ -6,10 +6,13 @@ instance. A `rollout_func` lets us run our own multi-turn engine (`rollouts.roll
 one batched generate, every environment turn in one experience-model call) and hand TRL one token sequence per
 episode with an `env_mask`, so the loss covers the policy's tokens only.
 
-One optimizer step is one RL iteration: TRL samples `tasks_per_iteration` tasks and repeats each `group_size` times;
-we play those episodes; the reward of an episode is its return; TRL normalises the rewards within each task's group
-(group-relative advantages over whole multi-turn trajectories) and takes a clipped policy-gradient step with a KL
-penalty (`beta`) towards the warm start. Trajectories go into the replay buffer as synthetic experience.
+One optimizer step is one RL iteration: TRL asks for `tasks_per_iteration` x `group_size` episodes; we play the
+curriculum's tasks for the iteration in their place (`rl.play_iteration`; the tasks TRL sampled from its static
+dataset are ignored, since the curriculum adds tasks while training runs), each task `group_size` times in a row,
+which is how TRL groups completions. The reward of an episode is its return; TRL normalises the rewards within
+each task's group (group-relative advantages over whole multi-turn trajectories) and takes a clipped policy-gradient
+step with a KL penalty (`beta`) towards the warm start. Trajectories go into the replay buffer as synthetic
+experience.
 """
 from __future__ import annotations
 
@@ -20,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components.contract import Task
-from components.environments.synthetic import add_to_buffer
+from components.curriculum import Curriculum
+from components.experience_model import ExperienceModelBackend
 from components.files import atomic_directory
 from components.policy import PolicyFormat
 from components.replay_buffer import ReplayBuffer
-from components.rl import RLResult, RLSettings, iteration_record, save_sidecars, start_run
-from components.rollouts import EpisodeBatch, RolloutStats, rollout
+from components.rl import RLResult, RLSettings, iteration_record, play_iteration, save_sidecars, start_run
+from components.rollouts import EpisodeBatch, RolloutStats
 from components.sft import lora_config
 
 log = logging.getLogger(__name__)
@@ -73,10 +76,11 @@ def grpo_config(settings: RLSettings, output_dir: str | Path, **overrides: Any) 
     })
 
 
-def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], EpisodeBatch],
+def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
                buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
-               cache_dir: str | Path = ".cache/models") -> RLResult:
-    """Train `policy_model` (the warm start) with GRPO on episodes from `make_batch()` over `tasks`.
+               cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None) -> RLResult:
+    """Train `policy_model` (the warm start) with GRPO on episodes from `make_batch()` over the curriculum's tasks
+    (`generator` writes the curriculum's task variations; None: no new tasks).
 
     Layout: `out_dir/checkpoints/checkpoint-N` (adapter, optimizer, scheduler, RNG states, trainer state, plus the
     replay buffer and iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same
@@ -92,22 +96,20 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
         raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "
                          f"of micro_batch_size ({settings.micro_batch_size})")
     out_dir = Path(out_dir)
-    checkpoints, resume, rows = start_run(policy_model, tasks, buffer, settings, out_dir)
+    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir)
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
-    by_id = {task.task_id: task for task in tasks}
-    # The prompt column only names the task: rollout_func builds the real first turn from the environment's reset.
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": task.task_id}]} for task in tasks])
+    # TRL needs a dataset to sample from; its rows only name base tasks, and rollout_func plays the curriculum's.
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t.task_id}]} for t in curriculum.base_tasks])
     pending: dict[str, Any] = {}
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
-        batch_tasks = [by_id[prompt[-1]["content"]] for prompt in prompts]
-        stats = RolloutStats()
-        episodes = rollout(trainer.model, tokenizer, make_batch(), batch_tasks, fmt,
-                           max_turns=settings.max_turns, max_action_tokens=settings.max_action_tokens,
-                           max_tokens=settings.max_tokens, temperature=settings.temperature, stats=stats)
-        added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
-        pending.update(episodes=episodes, stats=stats, added=added)
+        episodes, stats, fields = play_iteration(trainer.model, tokenizer, make_batch, curriculum, generator,
+                                                 buffer, fmt, settings, trainer.state.global_step)
+        if len(episodes) != len(prompts):
+            raise RuntimeError(f"{len(episodes)} episodes for TRL's {len(prompts)} prompts: the generation batch "
+                               "must be one iteration (tasks_per_iteration x group_size)")
+        pending.update(episodes=episodes, stats=stats, fields=fields)
         return {"prompt_ids": [e.prompt_ids for e in episodes],
                 "completion_ids": [e.completion_ids for e in episodes],
                 "logprobs": [e.logprobs for e in episodes],
@@ -128,9 +130,10 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
             stats: RolloutStats = pending["stats"]
             step_seconds = time.monotonic() - self.step_start
             update = {ours: logs[theirs] for theirs, ours in _TRL_METRICS.items() if theirs in logs}
-            rows.append(iteration_record(state.global_step, pending.pop("episodes"), stats, pending["added"], buffer,
-                                         optimisation_s=round(step_seconds - stats.policy_seconds
-                                                              - stats.env_seconds, 2), **update))
+            fields = pending["fields"]
+            optimisation_s = step_seconds - stats.policy_seconds - stats.env_seconds - fields["curriculum_s"]
+            rows.append(iteration_record(state.global_step, pending.pop("episodes"), stats, buffer, **fields,
+                                         optimisation_s=round(optimisation_s, 2), **update))
             row, done = rows[-1], state.global_step - self.first
             eta = (time.monotonic() - self.start) / done * (state.max_steps - state.global_step)
             log.info("iteration %d/%d reward %.3f success %.2f kl %s | %.0fs/iteration, ETA %.0fs",
@@ -138,7 +141,7 @@ def train_grpo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Ep
                      row.get("kl", "n/a"), step_seconds, eta)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows)
+            save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows, curriculum)
 
     peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
     args = grpo_config(settings, checkpoints, save_strategy="steps", save_steps=settings.save_every,

@@ -3,8 +3,8 @@
 The MDP is turn-level: a state is the token sequence up to a decision point, an action is the policy's whole reply
 (its tokens), the reward is the environment's reward for that turn. Each iteration:
 
-1. Roll out `tasks_per_iteration` x `group_size` episodes (`rollouts.rollout`); their trajectories go into the
-   replay buffer as synthetic experience.
+1. Roll out `tasks_per_iteration` x `group_size` episodes of the curriculum's tasks (`rl.play_iteration`); their
+   trajectories go into the replay buffer as synthetic experience, and the curriculum may write new tasks.
 2. With the current policy, before any update and without dropout: the "old" log-probability of every action token,
    the reference policy's (the warm start, for the KL penalty) and the value V(s_t) at every turn's decision point
    (the position just before the action's first token): a linear value head on the policy's last hidden state,
@@ -16,7 +16,8 @@ The MDP is turn-level: a state is the token sequence up to a decision point, an 
    `beta` x KL to the reference (k3 estimator), plus `value_coef` x MSE of the values to the returns.
 
 Layout and resuming mirror components/grpo.py: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer,
-RNG states, then the replay buffer and iteration log as of iteration N), `out_dir/model` the merged final policy.
+RNG states, then the replay buffer, curriculum and iteration log as of iteration N), `out_dir/model` the merged
+final policy.
 """
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from components.contract import Task
-from components.environments.synthetic import add_to_buffer
+from components.curriculum import Curriculum
+from components.experience_model import ExperienceModelBackend
 from components.files import atomic_directory
 from components.policy import PolicyFormat
 from components.replay_buffer import ReplayBuffer
-from components.rl import RLResult, RLSettings, iteration_record, save_sidecars, start_run, task_schedule
-from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
+from components.rl import RLResult, RLSettings, iteration_record, play_iteration, save_sidecars, start_run
+from components.rollouts import Episode, EpisodeBatch
 
 if TYPE_CHECKING:  # torch and transformers take seconds to import: only the functions that need them do
     import torch
@@ -341,7 +342,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def save_checkpoint(checkpoint: Path, model: PreTrainedModel, value_head: torch.nn.Linear,
-                    optimizer: torch.optim.Optimizer, buffer: ReplayBuffer | None, rows: list[dict[str, Any]]) -> None:
+                    optimizer: torch.optim.Optimizer, buffer: ReplayBuffer | None, rows: list[dict[str, Any]],
+                    curriculum: Curriculum) -> None:
     """Adapter (or whole model), value head, optimizer and RNG states in one atomic directory, then the side-cars:
     the log, written last, marks the checkpoint complete (`rl.last_complete_checkpoint`)."""
     import torch
@@ -351,7 +353,7 @@ def save_checkpoint(checkpoint: Path, model: PreTrainedModel, value_head: torch.
         torch.save(value_head.state_dict(), tmp / VALUE_HEAD)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch.save(rng_states(), tmp / RNG)
-    save_sidecars(checkpoint, buffer, rows)
+    save_sidecars(checkpoint, buffer, rows, curriculum)
 
 
 def load_checkpoint(checkpoint: Path, value_head: torch.nn.Linear, optimizer: torch.optim.Optimizer) -> None:
@@ -373,17 +375,19 @@ def prune_checkpoints(checkpoints: Path, keep: int) -> None:
 
 # --- the training loop ---------------------------------------------------------------------------------------------
 
-def train_ppo(policy_model: str, tasks: list[Task], make_batch: Callable[[], EpisodeBatch],
+def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
               buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
-              cache_dir: str | Path = ".cache/models") -> RLResult:
-    """Train `policy_model` (the warm start) with PPO on episodes from `make_batch()` over `tasks`.
+              cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None) -> RLResult:
+    """Train `policy_model` (the warm start) with PPO on episodes from `make_batch()` over the curriculum's tasks
+    (`generator` writes the curriculum's task variations; None: no new tasks). PPO has no groups of one task:
+    give the curriculum clusters of similar tasks (`curriculum.cluster_tasks`) to measure reward variance over.
 
     Layout: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer, RNG states, plus the replay buffer and
     iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same settings resumes from
     the last complete checkpoint and plays the same tasks an uninterrupted run would have.
     """
     out_dir = Path(out_dir)
-    checkpoints, resume, rows = start_run(policy_model, tasks, buffer, settings, out_dir)
+    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir)
 
     seed_everything(settings.seed)  # before the LoRA and value-head initialisations, so a fresh run repeats
     model, tokenizer, reference = load_policy(policy_model, settings, cache_dir, resume)
@@ -397,15 +401,12 @@ def train_ppo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Epi
     started = time.monotonic()
     for iteration in range(start, settings.iterations):
         iteration_started = time.monotonic()
-        stats = RolloutStats()
-        episodes = rollout(model, tokenizer, make_batch(), task_schedule(tasks, settings, iteration), fmt,
-                           max_turns=settings.max_turns, max_action_tokens=settings.max_action_tokens,
-                           max_tokens=settings.max_tokens, temperature=settings.temperature, stats=stats)
-        added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
+        episodes, stats, fields = play_iteration(model, tokenizer, make_batch, curriculum, generator, buffer, fmt,
+                                                 settings, iteration)
 
         optimisation_started = time.monotonic()
         update = ppo_update(model, reference, value_head, optimizer, episodes, settings, tokenizer.pad_token_id)
-        rows.append(iteration_record(iteration + 1, episodes, stats, added, buffer,
+        rows.append(iteration_record(iteration + 1, episodes, stats, buffer, **fields,
                                      optimisation_s=round(time.monotonic() - optimisation_started, 2), **update))
 
         row, done = rows[-1], iteration + 1 - start
@@ -414,7 +415,8 @@ def train_ppo(policy_model: str, tasks: list[Task], make_batch: Callable[[], Epi
         log.info("iteration %d/%d reward %.3f success %.2f kl %s | %.0fs/iteration, ETA %.0fs", iteration + 1,
                  settings.iterations, row["reward_mean"], row["success_rate"], row.get("kl", "n/a"), seconds, eta)
         if (iteration + 1) % settings.save_every == 0 or iteration + 1 == settings.iterations:
-            save_checkpoint(checkpoints / f"checkpoint-{iteration + 1}", model, value_head, optimizer, buffer, rows)
+            save_checkpoint(checkpoints / f"checkpoint-{iteration + 1}", model, value_head, optimizer, buffer, rows,
+                            curriculum)
             prune_checkpoints(checkpoints, settings.save_total_limit)
 
     trained = model.merge_and_unload() if settings.lora is not None else model

@@ -1,11 +1,11 @@
 """What the RL algorithms share: settings, the per-iteration record, and checkpoint side-cars.
 
 GRPO (components/grpo.py) and PPO (components/ppo.py) both train the warm-started policy on multi-turn episodes
-from `rollouts.rollout`. Each iteration: rollouts for `tasks_per_iteration` tasks x `group_size` episodes, their
-trajectories appended to the replay buffer as synthetic experience, then one policy update. Every `save_every`
-iterations a checkpoint holds the policy adapter, the optimizer, the RNG states and, next to them, the replay
-buffer and the iteration log, so a crashed run resumes from the last checkpoint without losing or repeating an
-iteration.
+from `play_iteration`: the curriculum's tasks for the iteration (`tasks_per_iteration` tasks x `group_size`
+episodes), their trajectories appended to the replay buffer as synthetic experience, the curriculum's variance
+bookkeeping and new task variations; then one policy update. Every `save_every` iterations a checkpoint holds the
+policy adapter, the optimizer, the RNG states and, next to them, the replay buffer, the curriculum and the iteration
+log, so a crashed run resumes from the last checkpoint without losing or repeating an iteration.
 """
 from __future__ import annotations
 
@@ -13,16 +13,24 @@ import json
 import logging
 import random
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from components.contract import Task
+from components.environments.synthetic import add_to_buffer
 from components.replay_buffer import ReplayBuffer, load_replay_buffer
-from components.rollouts import Episode, RolloutStats
+from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.sft import LoraSettings
 
-BUFFER_DIR, LOG_FILE = "replay_buffer", "iterations.jsonl"
+if TYPE_CHECKING:  # curriculum.py builds on this module
+    from components.curriculum import Curriculum
+    from components.experience_model import ExperienceModelBackend
+    from components.policy import PolicyFormat
+
+BUFFER_DIR, LOG_FILE, CURRICULUM_FILE = "replay_buffer", "iterations.jsonl", "curriculum.json"
 log = logging.getLogger(__name__)
 
 
@@ -65,9 +73,10 @@ class RLResult:
     seconds: float
 
 
-def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStats, added: int,
-                     buffer: ReplayBuffer | None, **update: float) -> dict[str, Any]:
-    """One row of the iteration log (DVC plots): rollout outcomes, the time split, the update's numbers."""
+def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStats, buffer: ReplayBuffer | None,
+                     **fields: Any) -> dict[str, Any]:
+    """One row of the iteration log (DVC plots): rollout outcomes, the time split, the curriculum's and the
+    update's numbers."""
     n = len(episodes)
     return {
         "iteration": iteration,
@@ -76,11 +85,10 @@ def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStat
         "turns_mean": sum(len(e.actions) for e in episodes) / n,
         "policy_tokens_mean": sum(sum(e.env_mask) for e in episodes) / n,
         "sequence_tokens_mean": sum(len(e.prompt_ids) + len(e.completion_ids) for e in episodes) / n,
-        "synthetic_transitions": added,
         "buffer_size": len(buffer) if buffer is not None else None,
         "policy_generation_s": round(stats.policy_seconds, 2),
         "environment_s": round(stats.env_seconds, 2),
-        **{key: (round(value, 6) if isinstance(value, float) else value) for key, value in update.items()},
+        **{key: (round(value, 6) if isinstance(value, float) else value) for key, value in fields.items()},
     }
 
 
@@ -92,12 +100,38 @@ def task_schedule(tasks: list[Task], settings: RLSettings, iteration: int) -> li
     return [task for task in chosen for _ in range(settings.group_size)]
 
 
-def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[str, Any]]) -> None:
-    """Next to a checkpoint: the replay buffer and the iteration log as of that iteration. The log is written last
-    and atomically: its presence marks the checkpoint complete. (A Weaviate buffer saves a reference only: its
-    server keeps the synthetic transitions added after the checkpoint.)"""
+def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeBatch], curriculum: Curriculum,
+                   generator: ExperienceModelBackend | None, buffer: ReplayBuffer | None, fmt: PolicyFormat,
+                   settings: RLSettings, iteration: int) -> tuple[list[Episode], RolloutStats, dict[str, Any]]:
+    """One iteration's experience (0-based `iteration`): the curriculum's tasks, `group_size` episodes each, played
+    in the synthetic environment and appended to the replay buffer; then the curriculum records each group's reward
+    variance and asks `generator` (the experience model's backbone) for variations of the most uncertain tasks,
+    which later iterations may play. Returns the episodes, the rollout's time split and the log fields."""
+    tasks = curriculum.tasks_for_iteration(iteration, settings.tasks_per_iteration, settings.group_size,
+                                           settings.seed)
+    stats = RolloutStats()
+    episodes = rollout(model, tokenizer, make_batch(), tasks, fmt, max_turns=settings.max_turns,
+                       max_action_tokens=settings.max_action_tokens, max_tokens=settings.max_tokens,
+                       temperature=settings.temperature, stats=stats)
+    added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
+    started = time.monotonic()
+    curriculum.observe(tasks, [e.return_ for e in episodes])
+    if generator is not None:
+        curriculum.propose(generator, iteration + 1)
+    fields = {"synthetic_transitions": added, "curriculum_s": round(time.monotonic() - started, 2),
+              "generated_tasks_played": sum("parent_task_id" in t.parameters for t in tasks[::settings.group_size]),
+              **curriculum.summary()}
+    return episodes, stats, fields
+
+
+def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[str, Any]],
+                  curriculum: Curriculum) -> None:
+    """Next to a checkpoint: the replay buffer, the curriculum and the iteration log as of that iteration. The log
+    is written last and atomically: its presence marks the checkpoint complete. (A Weaviate buffer saves a
+    reference only: its server keeps the synthetic transitions added after the checkpoint.)"""
     if buffer is not None:
         buffer.save(checkpoint / BUFFER_DIR)
+    (checkpoint / CURRICULUM_FILE).write_text(json.dumps(curriculum.state_dict()), encoding="utf-8")
     tmp = checkpoint / f".{LOG_FILE}.partial"
     tmp.write_text("".join(json.dumps(row) + "\n" for row in log), encoding="utf-8")
     tmp.rename(checkpoint / LOG_FILE)
@@ -107,8 +141,8 @@ def sidecars_complete(checkpoint: Path, with_buffer: bool) -> bool:
     return (checkpoint / LOG_FILE).is_file() and (not with_buffer or (checkpoint / BUFFER_DIR).is_dir())
 
 
-def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None) -> list[dict[str, Any]]:
-    """Restore `buffer` in place to its state at the checkpoint and return the iteration log up to it.
+def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Curriculum) -> list[dict[str, Any]]:
+    """Restore `buffer` in place and `curriculum` to their states at the checkpoint; return the iteration log.
 
     In place, because the synthetic environments retrieve from the very buffer object the caller passed: the run
     must continue with the synthetic transitions it had made. A fresh buffer (seed transitions only) gets the
@@ -120,6 +154,7 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None) -> list[dict[st
         saved = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
         records, vectors = saved.export(source="synthetic")
         buffer.add_vectors(records, vectors)
+    curriculum.load_state_dict(json.loads((checkpoint / CURRICULUM_FILE).read_text(encoding="utf-8")))
     return log
 
 
@@ -132,11 +167,12 @@ def last_complete_checkpoint(checkpoints: Path, with_buffer: bool) -> Path | Non
     return found[-1] if found else None
 
 
-def settings_fingerprint(settings: RLSettings, policy_model: str, tasks: list[Task]) -> str:
-    """Checkpoints are only resumed by a run with the same settings, warm start and tasks."""
+def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Curriculum) -> str:
+    """Checkpoints are only resumed by a run with the same settings, warm start, tasks and curriculum."""
     import hashlib
 
-    payload = json.dumps([asdict(settings), policy_model, [t.task_id for t in tasks]], sort_keys=True, default=str)
+    payload = json.dumps([asdict(settings), policy_model, [t.task_id for t in curriculum.base_tasks],
+                          asdict(curriculum.settings), curriculum.clusters], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -148,17 +184,19 @@ def prepare_checkpoints(checkpoints: Path, fingerprint: str) -> None:
     stamp.write_text(fingerprint + "\n")
 
 
-def start_run(policy_model: str, tasks: list[Task], buffer: ReplayBuffer | None, settings: RLSettings,
+def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | None, settings: RLSettings,
               out_dir: Path) -> tuple[Path, Path | None, list[dict[str, Any]]]:
     """Checkpoints dir, the checkpoint to resume from (or None) and the iteration log so far; on resume the buffer
-    is restored in place. Checkpoints of other settings, warm start or tasks are cleared, never resumed."""
+    and the curriculum are restored in place. Checkpoints of other settings, warm start, tasks or curriculum are
+    cleared, never resumed."""
+    tasks = curriculum.base_tasks
     if len(tasks) < settings.tasks_per_iteration:
         raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     checkpoints = out_dir / "checkpoints"
-    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, tasks))
+    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, curriculum))
     resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
     rows: list[dict[str, Any]] = []
     if resume is not None:
-        rows = load_sidecars(resume, buffer)
+        rows = load_sidecars(resume, buffer, curriculum)
         log.info("resuming from %s (%d iterations done)", resume, len(rows))
     return checkpoints, resume, rows

@@ -322,10 +322,46 @@ def _rl_settings(params: Params):
 
     rl = params.synthetic_rl
     return RLSettings(
-        **rl.model_dump(exclude={"out_dir", "lora", "ppo"}), lora=LoraSettings(**rl.lora.model_dump()) if rl.lora
-        else None, max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens,
+        **rl.model_dump(exclude={"out_dir", "lora", "ppo", "curriculum"}),
+        lora=LoraSettings(**rl.lora.model_dump()) if rl.lora else None,
+        max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens,
         ppo_epochs=rl.ppo.epochs, gamma=rl.ppo.gamma, gae_lambda=rl.ppo.gae_lambda, value_coef=rl.ppo.value_coef,
         value_learning_rate=rl.ppo.value_learning_rate, seed=params.seed)
+
+
+def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[Any, Any]:
+    """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
+    (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
+    reward variance over clusters of similar tasks, since its episodes are not grouped by task."""
+    from components import experience_model as em
+    from components.curriculum import Curriculum, CurriculumSettings, cluster_tasks
+
+    settings = params.synthetic_rl.curriculum
+    clusters = None
+    if params.synthetic_rl.algorithm == "ppo" and settings.enabled:
+        clusters = cluster_tasks(tasks, buffer.encoder, settings.clusters, params.seed)
+    curriculum = Curriculum(tasks, CurriculumSettings(**settings.model_dump()), clusters=clusters)
+    if not settings.enabled or settings.top_tasks == 0:
+        return curriculum, None
+    inference = params.experience_model.inference
+    if inference.backend == "openai":
+        return curriculum, em.make_backend("openai", params.models.experience, inference.batch_size,
+                                           inference.base_url)
+    from components.models import resolve_model
+
+    backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
+    return curriculum, em.make_backend(inference.backend, str(backbone), inference.batch_size)
+
+
+def _curriculum_sentence(curriculum: Any) -> str:
+    if not curriculum.settings.enabled:
+        return "Curriculum off (the ablation): base tasks only."
+    summary = curriculum.summary()
+    return (f"The curriculum proposed {summary['proposed']} task variations and accepted {summary['accepted']} "
+            f"({summary['rejected']} rejected: " + ", ".join(
+                f"{reason[9:]} {count}" for reason, count in summary.items()
+                if reason.startswith("rejected_") and count) + "); generated tasks are in "
+            "`generated_tasks.jsonl` next to the model.")
 
 
 def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -349,33 +385,38 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
                                  stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
                                  temperature=inference.temperature) for name in params.policy.environments]
+    curriculum, generator = _curriculum(params, root, tasks, buffer)
     if settings.algorithm == "grpo":
         from components.grpo import train_grpo as train
     else:
         from components.ppo import train_ppo as train
     warm_start = str(root / params.policy.sft.out_dir / "model")
-    result = train(warm_start, tasks, lambda: SyntheticBatch(*envs), buffer, _policy_format(params),
-                   _rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir)
+    result = train(warm_start, curriculum, lambda: SyntheticBatch(*envs), buffer, _policy_format(params),
+                   _rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
+                   generator=generator)
     buffer.save(root / settings.out_dir / "replay_buffer")
+    curriculum.write_tasks(root / settings.out_dir / "generated_tasks.jsonl")
     rows = result.log
     write_csv(rows, root / "metrics" / "synthetic_rl_iterations.csv")
-    curves = ["reward_mean", "success_rate", "kl", "entropy", "policy_tokens_mean", "optimisation_s"]
+    curves = ["reward_mean", "success_rate", "kl", "entropy", "reward_variance_mean", "generated_tasks"]
     line_plot(rows, "iteration", curves, root / "reports" / "synthetic_rl.png",
               f"{settings.algorithm.upper()} in the synthetic environment")
     metrics = {"algorithm": settings.algorithm, "iterations": result.iterations, "tasks": len(tasks),
                "episodes": len(rows) * settings.tasks_per_iteration * settings.group_size,
                "synthetic_transitions": sum(row["synthetic_transitions"] for row in rows),
-               "buffer_size": len(buffer), "experience_model": stats.as_dict(),
+               "buffer_size": len(buffer), "experience_model": stats.as_dict(), "curriculum": curriculum.summary(),
                "final": {key: rows[-1].get(key) for key in ("reward_mean", "success_rate", "kl")} if rows else {},
                "seconds": round(result.seconds, 1), "resumed": result.resumed_from is not None}
     shown = ["iteration", "reward_mean", "success_rate", "kl", "entropy", "turns_mean", "policy_tokens_mean",
-             "synthetic_transitions", "policy_generation_s", "environment_s", "optimisation_s"]
+             "synthetic_transitions", "generated_tasks_played", "generated_tasks", "policy_generation_s",
+             "environment_s", "curriculum_s", "optimisation_s"]
     text = (f"# Synthetic RL ({settings.algorithm.upper()})\n\nThe warm-started policy trained for "
             f"{result.iterations} iterations inside the synthetic environment ({len(tasks)} training tasks, "
             f"{settings.tasks_per_iteration} per iteration x {settings.group_size} episodes, at most "
             f"{params.policy.max_turns} turns). {metrics['synthetic_transitions']} synthetic transitions were "
             f"generated and appended to the replay buffer (now {len(buffer)}); the experience model fell back on "
-            f"{stats.fallbacks} of {stats.requests} predictions. Wall time {result.seconds:.0f} s.\n\n"
+            f"{stats.fallbacks} of {stats.requests} predictions. {_curriculum_sentence(curriculum)} "
+            f"Wall time {result.seconds:.0f} s.\n\n"
             "![learning curves](synthetic_rl.png)\n\n"
             + markdown_table(shown, [[row.get(key) for key in shown] for row in rows]))
     write_stage_outputs("synthetic_rl", metrics, text, root)

@@ -24,3 +24,19 @@ class ScriptedBackend:
             replies.append("no tags at all" if self.garbage else
                            format_target(f"after {action}", float(action == "eat meal"), done, f"did {action}"))
         return replies
+
+
+class ScriptedTaskWriter:
+    """A test double for the curriculum's task writer (the experience model's backbone): for each prompt, a
+    well-formed harder variation of the prompt's task, numbered so that no two replies are duplicates."""
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0):
+        self.calls.append(list(prompts))
+        replies = []
+        for prompt in prompts:
+            task = re.findall(r"^Task: (.*)$", prompt[-1]["content"], re.M)[0]
+            replies.append(f"<instruction>{task} Harder, variant {len(self.calls)}.{len(replies)}.</instruction>")
+        return replies

@@ -7,17 +7,18 @@ import json
 import pytest
 
 from components.contract import Task
+from components.curriculum import Curriculum, CurriculumSettings
 from components.environments.synthetic import SyntheticEnvironment
 from components.experience_model import PromptFormat
 from components.grpo import train_grpo
 from components.models import build_tiny_causal_lm, load_causal_lm
 from components.policy import PolicyFormat
 from components.replay_buffer import FaissReplayBuffer
-from components.rl import LOG_FILE, RLSettings
+from components.rl import CURRICULUM_FILE, LOG_FILE, RLSettings
 from components.rollouts import SyntheticBatch
 from components.sft import LoraSettings
 from tests.hashing_encoder import HashingEncoder
-from tests.scripted_backend import ScriptedBackend
+from tests.scripted_backend import ScriptedBackend, ScriptedTaskWriter
 
 ENV = "textworld-cooking"
 TASKS = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"Kitchen {i}."}) for i in range(3)]
@@ -40,8 +41,8 @@ def _batch():
 
 def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_path):
     buffer = FaissReplayBuffer(HashingEncoder())
-    result = train_grpo(str(policy_dir), TASKS, _batch, buffer, PolicyFormat(), SETTINGS, tmp_path / "rl",
-                        cache_dir=tmp_path)
+    result = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, buffer,
+                        PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
 
     assert result.iterations == 2 and [row["iteration"] for row in result.log] == [1, 2]
     first = result.log[0]
@@ -59,7 +60,31 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
 
     # the same settings again: nothing left to do, the log and buffer come back from the last checkpoint
     fresh = FaissReplayBuffer(HashingEncoder())
-    again = train_grpo(str(policy_dir), TASKS, _batch, fresh, PolicyFormat(), SETTINGS, tmp_path / "rl",
-                       cache_dir=tmp_path)
+    again = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, fresh,
+                       PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
     assert again.resumed_from and again.iterations == 2 and again.log == json.loads(json.dumps(result.log))
     assert len(fresh) == len(buffer)  # restored in place: the caller's buffer object holds the synthetic transitions
+
+
+def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_path):
+    # min_variance 0: every played task may be varied, so the wiring is tested whatever the tiny policy earns
+    settings = CurriculumSettings(top_tasks=1, max_generated_share=0.5, min_variance=0.0)
+    writer = ScriptedTaskWriter()
+    result = train_grpo(str(policy_dir), Curriculum(TASKS, settings), _batch, None, PolicyFormat(), SETTINGS,
+                        tmp_path / "rl", cache_dir=tmp_path, generator=writer)
+
+    assert len(writer.calls) == 2  # one batched proposal after each iteration
+    first, second = result.log
+    assert (first["generated_tasks_played"], first["accepted"]) == (0, 1)
+    assert (second["generated_tasks_played"], second["generated_tasks"]) == (1, 2)  # lambda 0.5 of 2 tasks
+    state = json.loads((tmp_path / "rl" / "checkpoints" / "checkpoint-2" / CURRICULUM_FILE).read_text())
+    assert [t["parameters"]["generated_at_iteration"] for t in state["generated"]] == [1, 2]
+    assert all(t["parameters"]["initial_state"] == f"Kitchen {t['parameters']['parent_task_id'][-1]}."
+               for t in state["generated"])  # a variation resets where its parent does
+
+    # resumed: the curriculum comes back from the checkpoint, no proposal is repeated
+    curriculum, again_writer = Curriculum(TASKS, settings), ScriptedTaskWriter()
+    again = train_grpo(str(policy_dir), curriculum, _batch, None, PolicyFormat(), SETTINGS, tmp_path / "rl",
+                       cache_dir=tmp_path, generator=again_writer)
+    assert again.resumed_from and not again_writer.calls
+    assert [t.task_id for t in curriculum.generated] == [t["task_id"] for t in state["generated"]]

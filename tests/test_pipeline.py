@@ -152,7 +152,9 @@ def _train_experience_model(project, model_dir, environment, **overrides):
 
 def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
     """train_policy_sft -> synthetic_rl -> evaluate_policies on tiny models, in a seed-only domain."""
-    _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen", **{"data.heldout_task_fraction": 0.3})
+    # min_variance 0: the curriculum varies a task after every iteration, whatever the tiny policy earns
+    _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen", **{"data.heldout_task_fraction": 0.3,
+                                                                          "synthetic_rl.curriculum.min_variance": 0})
     for stage in ("train_policy_sft", "synthetic_rl", "evaluate_policies"):
         run("dreamgym", "stage", stage, cwd=onboarded)
     warm = json.loads((onboarded / "metrics" / "train_policy_sft.json").read_text())
@@ -163,6 +165,10 @@ def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
     assert rows[0].startswith("iteration,reward_mean") and len(rows) == 3
     assert (onboarded / "reports" / "synthetic_rl.png").stat().st_size > 1000
     assert (onboarded / "models" / "policy" / "rl" / "replay_buffer" / "buffer.json").exists()
+    # the tiny backbone writes no parsable variation: every proposal is rejected, counted, and training goes on
+    curriculum = rl["curriculum"]
+    assert curriculum["proposed"] == 2 and curriculum["accepted"] + curriculum["rejected"] == 2
+    assert (onboarded / "models" / "policy" / "rl" / "generated_tasks.jsonl").is_file()
     evaluated = json.loads((onboarded / "metrics" / "evaluate_policies.json").read_text())
     assert evaluated["skipped"] == ["demo-kitchen"]  # no real environment: accuracy only
     assert {"sft_warm_start", "synthetic_grpo"} <= set(evaluated)

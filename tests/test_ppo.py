@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from components.contract import Task
+from components.curriculum import Curriculum, CurriculumSettings
 from components.environments.synthetic import SyntheticEnvironment
 from components.experience_model import PromptFormat
 from components.models import build_tiny_causal_lm, load_causal_lm
@@ -27,7 +28,7 @@ TASKS = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"K
 SETTINGS = RLSettings(algorithm="ppo", iterations=2, tasks_per_iteration=2, group_size=2, max_turns=2,
                       max_action_tokens=4, max_tokens=512, micro_batch_size=3, save_every=1, save_total_limit=2,
                       beta=0.02, learning_rate=1e-3, ppo_epochs=2, lora=LoraSettings(r=4, alpha=8, top_layers=None))
-TIMINGS = ("policy_generation_s", "environment_s", "optimisation_s")
+TIMINGS = ("policy_generation_s", "environment_s", "curriculum_s", "optimisation_s")
 
 
 # --- the pieces ----------------------------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS):
     def make_batch():
         return SyntheticBatch(SyntheticEnvironment(ENV, backend, None, PromptFormat(use_retrieval=False), retries=0))
 
-    return train_ppo(str(policy_dir), TASKS, make_batch, buffer, PolicyFormat(), settings, out_dir,
+    return train_ppo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), make_batch, buffer,
+                     PolicyFormat(), settings, out_dir,
                      cache_dir=cache_dir), buffer
 
 
