@@ -263,6 +263,20 @@ class SyntheticRLParams(Section):
     curriculum: CurriculumParams
 
 
+class SimToRealParams(Section):
+    """RL in the real environments after synthetic RL; the rest of the RL settings are synthetic_rl's."""
+
+    out_dir: str
+    start_from: Literal["synthetic_rl", "sft"] = Field(
+        description="synthetic_rl: DreamGym-S2R; sft: RL in the real environment only (the baseline)")
+    real_transitions: int = Field(ge=0, description="budget of real transitions; each iteration is charged its "
+                                                    "worst case, tasks_per_iteration x group_size x policy.max_turns")
+    max_iterations: int = Field(gt=0, description="at most this many iterations, even if the budget pays for more")
+    tasks_per_iteration: int = Field(gt=0)
+    group_size: int = Field(gt=1)
+    learning_rate: float = Field(gt=0)
+
+
 class PrefectParams(Section):
     """Deployments of the pipeline (flows/deployments.py). The server is PREFECT_API_URL, never a param."""
 
@@ -302,6 +316,7 @@ class Params(Section):
     experience_model: ExperienceModelParams
     policy: PolicyParams
     synthetic_rl: SyntheticRLParams
+    sim_to_real: SimToRealParams
     prefect: PrefectParams
 
 

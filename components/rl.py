@@ -100,6 +100,17 @@ def task_schedule(tasks: list[Task], settings: RLSettings, iteration: int) -> li
     return [task for task in chosen for _ in range(settings.group_size)]
 
 
+def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
+    """How many iterations a budget of environment transitions pays for, at most `settings.iterations`.
+
+    Each iteration is charged its worst case (every episode runs to the turn limit), so a run never exceeds the
+    budget and its iteration count is fixed before it starts (a resumed run plans the same one). What iterations
+    leave unused is reported by the caller, not carried over.
+    """
+    worst_case = settings.episodes_per_iteration * settings.max_turns
+    return min(settings.iterations, env_transitions // worst_case)
+
+
 def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeBatch], curriculum: Curriculum,
                    generator: ExperienceModelBackend | None, buffer: ReplayBuffer | None, fmt: PolicyFormat,
                    settings: RLSettings, iteration: int) -> tuple[list[Episode], RolloutStats, dict[str, Any]]:
@@ -118,7 +129,8 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
     curriculum.observe(tasks, [e.return_ for e in episodes])
     if generator is not None:
         curriculum.propose(generator, iteration + 1)
-    fields = {"synthetic_transitions": added, "curriculum_s": round(time.monotonic() - started, 2),
+    fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,
+              "curriculum_s": round(time.monotonic() - started, 2),
               "generated_tasks_played": sum("parent_task_id" in t.parameters for t in tasks[::settings.group_size]),
               **curriculum.summary()}
     return episodes, stats, fields

@@ -90,10 +90,10 @@ class SyntheticBatch:
 
 
 class RealBatch:
-    """Episodes in a real environment: one engine per episode (a batched policy needs every episode's next state
-    before its next turn), stepped one after another."""
+    """Episodes in real environments: one engine per episode, opened by `open_environment(task)` (a batched policy
+    needs every episode's next state before its next turn), stepped one after another. Counts every transition."""
 
-    def __init__(self, open_environment: Callable[[], Environment], source: str = "policy") -> None:
+    def __init__(self, open_environment: Callable[[Task], Environment], source: str = "policy") -> None:
         self.open_environment, self.source = open_environment, source
         self.envs: list[Environment] = []
         self.tasks: list[Task] = []
@@ -103,7 +103,7 @@ class RealBatch:
 
     def start(self, tasks: Sequence[Task]) -> list[Observation]:
         self.close()
-        self.envs = [self.open_environment() for _ in tasks]
+        self.envs = [self.open_environment(task) for task in tasks]
         self.tasks, self.steps = list(tasks), [[] for _ in tasks]
         self.ids = [f"real-{uuid.uuid4().hex}" for _ in tasks]
         observations = [env.reset(task) for env, task in zip(self.envs, tasks, strict=True)]

@@ -5,6 +5,8 @@ DVC (`dreamgym stage NAME`) and Prefect (`flows/`) call these same functions, so
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -16,6 +18,8 @@ from components.contract import Trajectory, is_heldout_task, read_trajectories, 
 from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
+
+log = logging.getLogger(__name__)
 
 
 class StageError(RuntimeError):
@@ -423,6 +427,79 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
+def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Sim-to-real: RL goes on in the real environments from the synthetic-RL policy (or, for the real-RL baseline,
+    from the warm start), on a budget of real transitions that is counted exactly and never exceeded."""
+    import dataclasses
+
+    from components.curriculum import Curriculum, CurriculumSettings
+    from components.environments.registry import has_adapter, real_environment
+    from components.reports import line_plot, write_csv
+    from components.rl import iterations_within_budget
+    from components.rollouts import RealBatch
+
+    root, settings = Path(root), params.sim_to_real
+    model_dir = root / settings.out_dir / "model"
+    # the training tasks as their real environments reset them (no synthetic initial_state)
+    tasks = sorted({t.task.task_id: t.task for t in _policy_trajectories(params, root, heldout=False)
+                    if has_adapter(t.task.environment)}.values(), key=lambda task: task.task_id)
+    skipped = [name for name in params.policy.environments if not has_adapter(name)]
+    rl = dataclasses.replace(_rl_settings(params), iterations=settings.max_iterations,
+                             tasks_per_iteration=settings.tasks_per_iteration, group_size=settings.group_size,
+                             learning_rate=settings.learning_rate)
+    iterations = iterations_within_budget(rl, settings.real_transitions)
+    why_not = ("no environment of policy.environments has a real-environment adapter (a seed-only domain)"
+               if not tasks else
+               f"a budget of {settings.real_transitions} real transitions pays for no iteration (one costs up to "
+               f"{rl.episodes_per_iteration * rl.max_turns}: tasks_per_iteration x group_size x policy.max_turns)"
+               if iterations == 0 else None)
+    if why_not is not None:
+        log.warning("sim_to_real skipped: %s", why_not)
+        shutil.rmtree(model_dir, ignore_errors=True)
+        model_dir.mkdir(parents=True)
+        (model_dir / "SKIPPED.md").write_text(f"Sim-to-real was skipped: {why_not}.\n", encoding="utf-8")
+        write_csv([], root / "metrics" / "sim_to_real_iterations.csv")  # no iterations (an output DVC expects)
+        metrics = {"skipped": skipped, "reason": why_not, "iterations": 0, "real_transitions_used": 0,
+                   "real_transitions_budget": settings.real_transitions}
+        write_stage_outputs("sim_to_real", metrics, f"# Sim-to-real\n\nSkipped: {why_not}.\n", root)
+        return metrics
+
+    start = {"synthetic_rl": params.synthetic_rl.out_dir, "sft": params.policy.sft.out_dir}[settings.start_from]
+    if params.synthetic_rl.algorithm == "grpo":
+        from components.grpo import train_grpo as train
+    else:
+        from components.ppo import train_ppo as train
+    rl = dataclasses.replace(rl, iterations=iterations)
+    # Real tasks cannot be invented: the curriculum is off here, the tasks are the training tasks' real games.
+    result = train(str(root / start / "model"), Curriculum(tasks, CurriculumSettings(enabled=False)),
+                   lambda: RealBatch(lambda task: real_environment(task.environment).open(params.environments)),
+                   None, _policy_format(params), rl, root / settings.out_dir, cache_dir=root / params.models.cache_dir)
+    rows = result.log
+    used = sum(row["env_transitions"] for row in rows)
+    if used > settings.real_transitions:  # cannot happen: iterations_within_budget charges every worst case
+        raise RuntimeError(f"sim_to_real used {used} real transitions, over its budget {settings.real_transitions}")
+    write_csv(rows, root / "metrics" / "sim_to_real_iterations.csv")
+    line_plot(rows, "iteration", ["reward_mean", "success_rate", "kl", "env_transitions"],
+              root / "reports" / "sim_to_real.png", f"Sim-to-real {params.synthetic_rl.algorithm.upper()}")
+    metrics = {"skipped": skipped, "start_from": settings.start_from, "algorithm": params.synthetic_rl.algorithm,
+               "iterations": result.iterations, "real_transitions_budget": settings.real_transitions,
+               "real_transitions_used": used, "episodes": len(rows) * rl.episodes_per_iteration,
+               "final": {key: rows[-1].get(key) for key in ("reward_mean", "success_rate", "kl")} if rows else {},
+               "seconds": round(result.seconds, 1), "resumed": result.resumed_from is not None}
+    shown = ["iteration", "reward_mean", "success_rate", "kl", "turns_mean", "env_transitions",
+             "policy_generation_s", "environment_s", "optimisation_s"]
+    text = (f"# Sim-to-real ({params.synthetic_rl.algorithm.upper()})\n\nFrom the {settings.start_from} policy, "
+            f"{result.iterations} iterations in the real environments ({len(tasks)} training tasks, "
+            f"{rl.tasks_per_iteration} per iteration x {rl.group_size} episodes, at most {rl.max_turns} turns) used "
+            f"**{used} real transitions** of a budget of {settings.real_transitions} (each iteration is charged its "
+            f"worst case, {rl.episodes_per_iteration * rl.max_turns}, before it runs). Wall time "
+            f"{result.seconds:.0f} s.\n\n![learning curves](sim_to_real.png)\n\n"
+            + markdown_table(shown, [[row.get(key) for key in shown] for row in rows])
+            + (f"\nSkipped (no real-environment adapter): {', '.join(skipped)}.\n" if skipped else ""))
+    write_stage_outputs("sim_to_real", metrics, text, root)
+    return metrics
+
+
 def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """The warm start and the synthetic-RL policy on held-out tasks: closed-loop real-environment success (with
     confidence intervals) and teacher-forced next-action accuracy on held-out seed episodes."""
@@ -433,7 +510,9 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
     root, fmt = Path(root), _policy_format(params)
     candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
-                  f"synthetic {params.synthetic_rl.algorithm}": root / params.synthetic_rl.out_dir / "model"}
+                  f"synthetic {params.synthetic_rl.algorithm}": root / params.synthetic_rl.out_dir / "model",
+                  "sim-to-real": root / params.sim_to_real.out_dir / "model"}
+    candidates = {label: path for label, path in candidates.items() if (path / "config.json").is_file()}
     heldout = _heldout_demonstrations(params, root)
     environments = [name for name in params.policy.environments if has_adapter(name)]
     skipped = [name for name in params.policy.environments if not has_adapter(name)]
@@ -458,16 +537,18 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
         metrics[label.replace(" ", "_")] = entry
-    rl_metrics = metrics_path("synthetic_rl", root)
+    rl_metrics, s2r_metrics = metrics_path("synthetic_rl", root), metrics_path("sim_to_real", root)
     transitions = json.loads(rl_metrics.read_text())["synthetic_transitions"] if rl_metrics.exists() else "n/a"
+    real = json.loads(s2r_metrics.read_text())["real_transitions_used"] if s2r_metrics.exists() else 0
     confidence = params.evaluate.confidence
     text = ("# Policies on held-out tasks\n\n"
             + markdown_table(["environment", "policy", "episodes", f"success [{confidence:.0%} CI]",
                               "next-action accuracy", "mean steps", "wall time (s)"], rows)
             + f"\nClosed loop: each policy plays {params.policy.eval_tasks} held-out real tasks per environment once "
               f"(greedy, at most {params.policy.max_turns} turns); Wilson intervals. Next-action accuracy is "
-              f"teacher-forced on {len(heldout)} held-out seed episodes. The RL policy saw {transitions} synthetic "
-              "transitions and no real ones beyond the seed.\n"
+              f"teacher-forced on {len(heldout)} held-out seed episodes. The synthetic RL policy saw {transitions} "
+              f"synthetic transitions and no real ones beyond the seed; sim-to-real then used {real} real "
+              "transitions.\n"
             + (f"\nSkipped (no real-environment adapter): {', '.join(skipped)}.\n" if skipped else ""))
     write_stage_outputs("evaluate_policies", metrics, text, root)
     return metrics
@@ -494,5 +575,6 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
 # stage name (in dvc.yaml and as a Prefect flow) -> function, in pipeline order; later stages join here
 STAGES = {"collect_seed": collect_seed, "validate": validate, "annotate": annotate, "index_buffer": index_buffer,
           "train_experience_model": train_experience_model, "evaluate_experience_model": evaluate_experience_model,
-          "train_policy_sft": train_policy_sft, "synthetic_rl": synthetic_rl, "evaluate_policies": evaluate_policies,
+          "train_policy_sft": train_policy_sft, "synthetic_rl": synthetic_rl, "sim_to_real": sim_to_real,
+          "evaluate_policies": evaluate_policies,
           "evaluate": evaluate}

@@ -99,6 +99,7 @@ def tiny_policy(model_dir: Path) -> dict:
         "synthetic_rl.group_size": 2,
         "synthetic_rl.lora.top_layers": None,
         "synthetic_rl.max_tokens": 1024,
+        "sim_to_real.real_transitions": 4,  # one iteration of 1 task x 2 episodes x 2 turns
     }
 
 

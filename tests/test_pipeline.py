@@ -58,6 +58,9 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_
         artifacts = {a.key: a for a in client.read_artifacts()}
     assert {"pipeline", *STAGES} <= names and all(r.state.is_completed() for r in runs)
     assert result["evaluate"]["textworld-cooking"]["expert"]["success_rate"] == 1.0
+    s2r = result["sim_to_real"]  # real TextWorld games, on the budget
+    assert s2r["iterations"] == 1 and 0 < s2r["real_transitions_used"] <= s2r["real_transitions_budget"] == 4
+    assert "sim-to-real" in result["evaluate_policies"]
     assert "textworld-cooking" in artifacts["validate-report"].data
     assert result["run_id"] in artifacts["validate-outputs"].data
 
@@ -155,7 +158,7 @@ def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
     # min_variance 0: the curriculum varies a task after every iteration, whatever the tiny policy earns
     _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen", **{"data.heldout_task_fraction": 0.3,
                                                                           "synthetic_rl.curriculum.min_variance": 0})
-    for stage in ("train_policy_sft", "synthetic_rl", "evaluate_policies"):
+    for stage in ("train_policy_sft", "synthetic_rl", "sim_to_real", "evaluate_policies"):
         run("dreamgym", "stage", stage, cwd=onboarded)
     warm = json.loads((onboarded / "metrics" / "train_policy_sft.json").read_text())
     assert warm["global_step"] == 1 and warm["demonstrations"] > 0 and warm["heldout_next_action"]["steps"] > 0
@@ -169,6 +172,8 @@ def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
     curriculum = rl["curriculum"]
     assert curriculum["proposed"] == 2 and curriculum["accepted"] + curriculum["rejected"] == 2
     assert (onboarded / "models" / "policy" / "rl" / "generated_tasks.jsonl").is_file()
+    s2r = json.loads((onboarded / "metrics" / "sim_to_real.json").read_text())
+    assert s2r["iterations"] == 0 and "seed-only domain" in s2r["reason"]  # skipped with a reason, not an error
     evaluated = json.loads((onboarded / "metrics" / "evaluate_policies.json").read_text())
     assert evaluated["skipped"] == ["demo-kitchen"]  # no real environment: accuracy only
     assert {"sft_warm_start", "synthetic_grpo"} <= set(evaluated)
