@@ -277,6 +277,16 @@ class SimToRealParams(Section):
     learning_rate: float = Field(gt=0)
 
 
+class StudyParams(Section):
+    """The results study (flows/study.py, components/study.py)."""
+
+    results_dir: str
+    seeds: list[int] = Field(min_length=1)
+    algorithms: list[Literal["grpo", "ppo"]] = Field(min_length=1)
+    real_budget: int = Field(gt=0, description="B: real transitions of the real-environment RL baseline")
+    s2r_share: float = Field(ge=0, le=1, description="DreamGym-S2R's real budget as a share of B (paper: 0.1)")
+
+
 class PrefectParams(Section):
     """Deployments of the pipeline (flows/deployments.py). The server is PREFECT_API_URL, never a param."""
 
@@ -317,6 +327,7 @@ class Params(Section):
     policy: PolicyParams
     synthetic_rl: SyntheticRLParams
     sim_to_real: SimToRealParams
+    study: StudyParams
     prefect: PrefectParams
 
 

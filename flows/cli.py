@@ -3,6 +3,7 @@
   dreamgym data onboard PATH... [--data-dir DIR]   validate and store seed trajectories (exit 0 / 1 / 2)
   dreamgym stage NAME                              run one pipeline stage directly (what dvc.yaml calls)
   dreamgym flow NAME                               run a stage, or the whole `pipeline`, as a Prefect flow
+  dreamgym flow results_study                      the paper's Table 1: every variant of params.yaml `study`
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
 """
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = commands.add_parser("stage", help="run one pipeline stage (DVC calls this)")
     stage.add_argument("name", choices=sorted(STAGES))
     flow = commands.add_parser("flow", help="run a Prefect flow (it reads params.yaml, as DVC does)")
-    flow.add_argument("name", choices=sorted(STAGES) + ["pipeline"])
+    flow.add_argument("name", choices=sorted(STAGES) + ["pipeline", "results_study"])
     commands.add_parser("deploy", help="register the pipeline's retraining deployment (schedule, onboarding "
                         "trigger; params.yaml `prefect`) on the Prefect server PREFECT_API_URL names")
     commands.add_parser("params", help="params.yaml").add_argument("action", choices=["check"])
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             print("error: flows run the DVC stages, which read params.yaml: edit it (or use `dvc exp run -S`) "
                   "instead of --set/--params", file=sys.stderr)
             return EXIT_UNUSABLE
+        if args.name == "results_study":
+            from flows.study import results_study_flow
+            return _run(results_study_flow)
         return _run(lambda: pipeline.FLOWS[args.name]())
     if args.command == "deploy":
         return _deploy(args, params)

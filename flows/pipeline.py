@@ -28,7 +28,7 @@ PARAMS = "params.yaml"  # DVC reads params.yaml from the repository root; so do 
 BIN = str(Path(sys.executable).parent)
 
 
-def _run_logged(command: list[str]) -> None:
+def run_logged(command: list[str]) -> None:
     """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI)."""
     logger = get_run_logger()
     # unbuffered: a stage's progress lines reach the log as they happen, not when a pipe buffer fills
@@ -43,7 +43,7 @@ def _run_logged(command: list[str]) -> None:
 
 @task(task_run_name="dvc repro {stage}")
 def reproduce(stage: str) -> dict:
-    _run_logged(["dvc", "repro", stage])
+    run_logged(["dvc", "repro", stage])
     create_markdown_artifact(key=f"{stage.replace('_', '-')}-report",
                              markdown=report_path(stage).read_text(encoding="utf-8"), description=f"Report of {stage}")
     return json.loads(metrics_path(stage).read_text(encoding="utf-8"))

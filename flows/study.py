@@ -1,0 +1,67 @@
+"""The results study as a Prefect flow: every variant of components/study.py as one `dvc exp run`, then the table.
+
+Thin, like flows/pipeline.py: DVC reruns only what a variant's params change (the ablations reuse the cached
+warm start, sim-to-real variants the cached synthetic RL), each finished run's metrics are kept in
+`study.results_dir/<variant>-seed<k>/` so a rerun skips it, and the report is a Prefect artifact.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+
+from components import study
+from components.config import load_params
+from components.reports import write_stage_outputs
+from flows.pipeline import PARAMS, run_logged
+
+
+@task(task_run_name="{name}")
+def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
+    """One pipeline run with `overrides` up to evaluate_policies; its metrics are copied to `run_dir`."""
+    original = Path(PARAMS).read_text(encoding="utf-8")
+    try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
+        run_logged(["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}"
+                                            for key, value in overrides.items()], "evaluate_policies"])
+    finally:
+        Path(PARAMS).write_text(original, encoding="utf-8")
+    partial = run_dir.with_name(run_dir.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    for file_name in study.RUN_FILES:
+        source = Path("metrics") / file_name
+        if source.is_file():
+            shutil.copy(source, partial / file_name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    partial.rename(run_dir)  # complete runs only: a rerun skips exactly these
+
+
+@task
+def report(results_dir: Path, confidence: float) -> dict:
+    metrics, table = study.aggregate(results_dir, confidence)
+    plot = study.success_plot(metrics, results_dir / "results.png")
+    text = ("# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
+            f"intervals). Runs: `{results_dir}/`.\n\n" + table
+            + (f"\n![held-out success]({plot.name})\n" if plot else ""))
+    (results_dir / "README.md").write_text(text, encoding="utf-8")
+    write_stage_outputs("results_study", metrics, text)
+    create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
+    return metrics
+
+
+@flow(name="results_study")
+def results_study_flow() -> dict:
+    """Every variant x seed of params.yaml's `study` section not run yet, then the table and plot."""
+    params = load_params(PARAMS)
+    settings, confidence = params.study, params.evaluate.confidence
+    results_dir = Path(settings.results_dir)
+    for seed in settings.seeds:
+        for variant in study.variants(tuple(settings.algorithms)):
+            run_dir = results_dir / f"{variant.name}-seed{seed}"
+            if (run_dir / "evaluate_policies.json").is_file():
+                continue
+            run_variant(f"{variant.name}-seed{seed}",
+                        study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share), run_dir)
+    return report(results_dir, confidence)
