@@ -355,6 +355,54 @@ def parse_params(raw: dict[str, Any], source: str = "params") -> Params:
         raise ParamsError(f"{source}: " + "; ".join(problems)) from None
 
 
+def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Write a profile's values into params.yaml, keeping its comments and order; return what changed.
+
+    A profile (profiles/NAME.yaml, or any path) maps dotted keys to values. The result is validated before anything
+    is written, so a bad profile leaves params.yaml as it was. DVC then sees ordinary param changes.
+    """
+    from ruamel.yaml import YAML
+
+    path = Path(profile) if Path(profile).suffix in (".yaml", ".yml") else Path("profiles") / f"{profile}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in Path("profiles").glob("*.yaml"))) or "none"
+        raise ParamsError(f"profile {profile!r}: no file {path} (profiles here: {known})")
+    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(values, dict):
+        raise ParamsError(f"{path}: expected a mapping of dotted keys to values")
+    params_path = Path(params_path)
+    current = load_params(params_path).model_dump()
+    load_params(params_path, values)  # validates the result (ParamsError names the key)
+    changed = {key: value for key, value in values.items() if _dotted(current, key) != value}
+    round_trip = YAML()  # keeps comments, order and quoting of everything it does not touch
+    round_trip.width, round_trip.preserve_quotes = 118, True
+    round_trip.representer.add_representer(  # `null`, as params.yaml writes it, not an empty value
+        type(None), lambda representer, _: representer.represent_scalar("tag:yaml.org,2002:null", "null"))
+    tree = round_trip.load(params_path.read_text(encoding="utf-8"))
+    for key, value in changed.items():
+        set_dotted(tree, key, _flow(value))
+    with params_path.open("w", encoding="utf-8") as handle:
+        round_trip.dump(tree, handle)
+    return changed
+
+
+def _flow(value: Any) -> Any:
+    """Lists in flow style, [0, 1, 2], as params.yaml writes them."""
+    if not isinstance(value, list):
+        return value
+    from ruamel.yaml.comments import CommentedSeq
+
+    seq = CommentedSeq(value)
+    seq.fa.set_flow_style()
+    return seq
+
+
+def _dotted(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree.get(key, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for key in parents:

@@ -6,6 +6,7 @@
   dreamgym flow results_study                      the paper's Table 1: every variant of params.yaml `study`
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
+  dreamgym params use PROFILE                      write a profile's values (profiles/quick.yaml, gpu.yaml) into it
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     flow.add_argument("name", choices=sorted(STAGES) + ["pipeline", "results_study"])
     commands.add_parser("deploy", help="register the pipeline's retraining deployment (schedule, onboarding "
                         "trigger; params.yaml `prefect`) on the Prefect server PREFECT_API_URL names")
-    commands.add_parser("params", help="params.yaml").add_argument("action", choices=["check"])
+    params_command = commands.add_parser("params", help="params.yaml: check it, or switch profile")
+    params_command.add_argument("action", choices=["check", "use"])
+    params_command.add_argument("profile", nargs="?", help="for `use`: quick, gpu (profiles/NAME.yaml) or a path")
 
     args = parser.parse_args(argv)
     # components log progress (training steps, generation batches) at INFO; show it in DVC and Prefect output
@@ -71,6 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         return _run(lambda: pipeline.FLOWS[args.name]())
     if args.command == "deploy":
         return _deploy(args, params)
+    if args.action == "use":
+        from components.config import use_profile
+
+        if not args.profile:
+            print("error: `dreamgym params use` needs a profile: quick, gpu, or a path", file=sys.stderr)
+            return EXIT_UNUSABLE
+        try:
+            changed = use_profile(args.profile, args.params)
+        except ParamsError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_UNUSABLE
+        print(f"{args.params}: profile {args.profile}, {len(changed)} values changed"
+              + "".join(f"\n  {key}: {value}" for key, value in changed.items()))
+        return EXIT_OK
     print(f"{args.params}: ok")
     return EXIT_OK
 

@@ -73,3 +73,35 @@ def test_cli_set_overrides(tmp_path):
     assert main(["--params", str(REPO_PARAMS), "--set", "data.max_text_length=ten", "params", "check"]) == 2
     assert main(["--params", str(REPO_PARAMS), "--set", "novalue", "params", "check"]) == 2
     assert main(["--params", str(REPO_PARAMS), "--set", "seed=1", "flow", "validate"]) == 2  # flows read params.yaml
+
+
+def test_profiles_switch_params_and_keep_comments(tmp_path, monkeypatch):
+    import shutil
+
+    from components.config import use_profile
+
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copy(repo / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(repo / "profiles", tmp_path / "profiles")
+    monkeypatch.chdir(tmp_path)
+    original = load_params("params.yaml")
+    comments = [line for line in (tmp_path / "params.yaml").read_text().splitlines() if "#" in line]
+
+    changed = use_profile("gpu")
+    gpu = load_params("params.yaml")
+    assert changed and gpu.synthetic_rl.iterations == 50 and gpu.experience_model.training.lora.top_layers is None
+    assert [line for line in (tmp_path / "params.yaml").read_text().splitlines() if "#" in line] != []
+    assert use_profile("gpu") == {}  # already there
+
+    use_profile("quick")  # the quick profile is params.yaml's defaults: back to where we started
+    assert load_params("params.yaml") == original
+    kept = [line.split("#", 1)[1] for line in (tmp_path / "params.yaml").read_text().splitlines() if "#" in line]
+    assert kept == [line.split("#", 1)[1] for line in comments]
+
+    with pytest.raises(ParamsError, match="no file"):
+        use_profile("tpu")
+    (tmp_path / "bad.yaml").write_text("synthetic_rl.iterations: -1\n")
+    before = (tmp_path / "params.yaml").read_text()
+    with pytest.raises(ParamsError, match="synthetic_rl.iterations"):
+        use_profile(tmp_path / "bad.yaml")
+    assert (tmp_path / "params.yaml").read_text() == before  # a bad profile writes nothing
