@@ -565,11 +565,40 @@ def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResul
     return onboard(paths, root / params.data.dir, Limits.of(params.data), replace=True)
 
 
+def declared_outputs(stage: str, root: str | Path = ".") -> list[str]:
+    """The paths a stage declares in dvc.yaml (its outs, metrics and plots), as written there, in order."""
+    import yaml
+
+    dvc_yaml = Path(root) / "dvc.yaml"
+    stages = (yaml.safe_load(dvc_yaml.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    if stage not in stages:
+        raise ValueError(f"{dvc_yaml} has no stage {stage!r} (its stages: {', '.join(stages) or 'none'})")
+    # an entry is a bare path or {path: {cache: false, ...}}
+    return [entry if isinstance(entry, str) else next(iter(entry))
+            for section in ("outs", "metrics", "plots") for entry in stages[stage].get(section) or []]
+
+
+def artifact_name(stage: str, output: str) -> str:
+    """A stage output's artifact name: `<stage>-metrics` and `<stage>-report` for its metrics and report, else
+    `<stage>-<its path, '/' as '-'>` (models/policy/sft/model -> train_policy_sft-models-policy-sft-model)."""
+    path = Path(output).as_posix().strip("/")
+    if path == metrics_path(stage).as_posix():
+        return f"{stage}-metrics"
+    if path == report_path(stage).as_posix():
+        return f"{stage}-report"
+    return f"{stage}-{path.replace('/', '-')}"
+
+
 def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> list[str]:
-    """Store a stage's metrics and report under the run in the configured artifact store; return their URIs."""
+    """Store every output a stage declares in dvc.yaml (model directories, the buffer, metrics, reports, CSVs,
+    plots) as run_id/<artifact_name> in the configured artifact store; return the URIs, metrics and report first.
+
+    Outputs that are not there (optional, or not written by this run) are skipped."""
+    first = {f"{stage}-metrics": 0, f"{stage}-report": 1}
+    outputs = sorted(declared_outputs(stage, root), key=lambda o: first.get(artifact_name(stage, o), 2))
     store = open_artifact_store(params.storage)
-    outputs = {"metrics": metrics_path(stage, root), "report": report_path(stage, root)}
-    return [store.put(path, run_id, f"{stage}-{kind}") for kind, path in outputs.items() if path.exists()]
+    return [store.put(Path(root) / output, run_id, artifact_name(stage, output))
+            for output in outputs if (Path(root) / output).exists()]
 
 
 # stage name (in dvc.yaml and as a Prefect flow) -> function, in pipeline order; later stages join here

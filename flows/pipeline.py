@@ -28,12 +28,15 @@ PARAMS = "params.yaml"  # DVC reads params.yaml from the repository root; so do 
 BIN = str(Path(sys.executable).parent)
 
 
+def _env() -> dict[str, str]:
+    # unbuffered: a stage's progress lines reach the log as they happen, not when a pipe buffer fills
+    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+
+
 def run_logged(command: list[str]) -> None:
     """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI)."""
     logger = get_run_logger()
-    # unbuffered: a stage's progress lines reach the log as they happen, not when a pipe buffer fills
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     assert process.stdout is not None
     for line in process.stdout:
         logger.info(line.rstrip())
@@ -66,6 +69,25 @@ def publish(run_id: str, stage: str) -> list[str]:
     return uris
 
 
+@task(name="dvc push", retries=2, retry_delay_seconds=5)  # uploads only what the remote lacks: safe to retry
+def push() -> str | None:
+    """`dvc push` every DVC-tracked output (data and all stages' cached outs) to the default remote; return its
+    name, or None, with a log line saying so, when no default remote is configured."""
+    logger = get_run_logger()
+    default = subprocess.run(["dvc", "remote", "default"], capture_output=True, text=True, env=_env())
+    remote = default.stdout.strip() if default.returncode == 0 else ""
+    if not remote:
+        listed = subprocess.run(["dvc", "remote", "list"], capture_output=True, text=True, env=_env()).stdout
+        names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+        logger.warning("no default DVC remote%s: outputs stay in the local DVC cache only, nothing pushed "
+                       "(`dvc remote add -d NAME URL`, or `dvc remote default NAME`, then `dvc push`)",
+                       f" (remotes: {', '.join(names)})" if names else " is configured")
+        return None
+    run_logged(["dvc", "push", "--remote", remote])
+    logger.info("pushed every DVC output to the remote %r", remote)
+    return remote
+
+
 def _stage_flow(stage: str):
     @flow(name=stage, flow_run_name=f"{stage}")
     def stage_flow() -> dict:
@@ -78,7 +100,8 @@ STAGE_FLOWS = {stage: _stage_flow(stage) for stage in stages.STAGES}  # in pipel
 
 @flow(name="pipeline")
 def pipeline_flow() -> dict:
-    """Every stage in order, each stage's outputs stored under this run id in the artifact store."""
+    """Every stage in order, each stage's outputs stored under this run id in the artifact store; then every DVC
+    output pushed to the DVC remote, when one is configured."""
     run_id = os.environ.get("DREAMGYM_RUN_ID") or str(flow_run.id)
     results: dict = {"run_id": run_id}
     for stage, stage_flow in STAGE_FLOWS.items():
@@ -86,6 +109,15 @@ def pipeline_flow() -> dict:
         if stage == "collect_seed":
             results["onboard"] = onboard_collected_seed()
         publish(run_id, stage)
+    # A remote that cannot be reached (no store running, no credentials) leaves the run's outputs local and in the
+    # artifact store: the push task shows as failed in the UI and `dvc push` can be rerun by hand; the run stands.
+    pushed = push(return_state=True)
+    if pushed.is_completed():
+        results["dvc_push"] = pushed.result()
+    else:
+        get_run_logger().warning("dvc push failed (its log is above); the outputs are in the local DVC cache: "
+                                 "run `dvc push` once the remote is reachable")
+        results["dvc_push"] = "failed"
     return results
 
 

@@ -63,6 +63,10 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_
     assert "sim-to-real" in result["evaluate_policies"]
     assert "textworld-cooking" in artifacts["validate-report"].data
     assert result["run_id"] in artifacts["validate-outputs"].data
+    model = project / "models/policy/sft/model"  # every declared output, models included, is stored
+    assert {p.name for p in (stored / "train_policy_sft-models-policy-sft-model").iterdir()} == {
+        "_manifest.json", *(p.name for p in model.iterdir())}
+    assert result["dvc_push"] is None  # the project has no DVC remote: nothing pushed, and the run stands
 
     second = run("dvc", "repro", cwd=project)  # the flow left nothing for DVC to redo
     assert all(f"'{stage}' didn't change" in second.stdout for stage in STAGES)
