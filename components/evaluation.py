@@ -162,6 +162,22 @@ def summarize(environment: str, policy: str, trajectories: list[Trajectory], con
         wall_s=wall_s, trajectories=trajectories)
 
 
+def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[Task], fmt: Any, *, max_turns: int,
+                           max_action_tokens: int, confidence: float, name: str) -> EvaluationResult:
+    """A policy (greedy) on `tasks` inside a synthetic environment (`batch`: a rollouts.SyntheticBatch).
+
+    The closed-loop measure a seed-only domain has: success is the experience model's verdict, so this scores the
+    policy against the simulator, not the application (report it as such). All tasks play at once, batched.
+    """
+    from components.rollouts import rollout
+
+    started = time.monotonic()
+    episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=max_turns, max_action_tokens=max_action_tokens,
+                       temperature=0.0)
+    environment = ",".join(sorted({task.environment for task in tasks}))
+    return summarize(environment, name, [e.trajectory for e in episodes], confidence, time.monotonic() - started)
+
+
 def seeded_random(kind: RealEnvironment, seed: int) -> Callable[[Environment], Policy]:
     """The random baseline, its generator seeded by (seed, task id) at the episode's first step.
 

@@ -74,6 +74,7 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
     root = Path(root)
     environments, seed_only = collectable(params.collect_seed.environments)
+    (root / params.collect_seed.out_dir).mkdir(parents=True, exist_ok=True)  # DVC's output, even when empty
     metrics: dict[str, Any] = {"skipped": seed_only}
     collected: list[Trajectory] = []
     for environment in environments:
@@ -333,6 +334,23 @@ def _rl_settings(params: Params):
         value_learning_rate=rl.ppo.value_learning_rate, seed=params.seed)
 
 
+def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list[str]) -> tuple[list, Any]:
+    """Synthetic environments imitating `names` (the trained experience model + `buffer`) and their shared
+    prediction counters."""
+    from components import experience_model as em
+    from components.environments.synthetic import SyntheticEnvironment
+
+    experience = params.experience_model
+    fmt, inference = em.PromptFormat(**experience.prompt.model_dump()), experience.inference
+    model = params.models.experience if inference.backend == "openai" else str(root / experience.out_dir / "model")
+    backend = em.make_backend(inference.backend, model, inference.batch_size, inference.base_url)
+    stats = em.PredictionStats()
+    envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
+                                 stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
+                                 temperature=inference.temperature) for name in names]
+    return envs, stats
+
+
 def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[Any, Any]:
     """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
     (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
@@ -370,8 +388,6 @@ def _curriculum_sentence(curriculum: Any) -> str:
 
 def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """RL of the warm-started policy inside the synthetic environment (experience model + replay buffer)."""
-    from components import experience_model as em
-    from components.environments.synthetic import SyntheticEnvironment
     from components.reports import line_plot, write_csv
     from components.rollouts import SyntheticBatch
 
@@ -381,14 +397,7 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
         raise StageError(f"{len(tasks)} training tasks in {params.policy.environments} with seed episodes; "
                          f"synthetic_rl.tasks_per_iteration is {settings.tasks_per_iteration}")
     buffer = _saved_buffer(params, root)  # a copy in memory: synthetic experience never alters index_buffer's output
-    experience = params.experience_model
-    fmt, inference = em.PromptFormat(**experience.prompt.model_dump()), experience.inference
-    model = params.models.experience if inference.backend == "openai" else str(root / experience.out_dir / "model")
-    backend = em.make_backend(inference.backend, model, inference.batch_size, inference.base_url)
-    stats = em.PredictionStats()
-    envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
-                                 stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
-                                 temperature=inference.temperature) for name in params.policy.environments]
+    envs, stats = _synthetic_environments(params, root, buffer, params.policy.environments)
     curriculum, generator = _curriculum(params, root, tasks, buffer)
     if settings.algorithm == "grpo":
         from components.grpo import train_grpo as train
@@ -501,12 +510,15 @@ def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 
 def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
-    """The warm start and the synthetic-RL policy on held-out tasks: closed-loop real-environment success (with
-    confidence intervals) and teacher-forced next-action accuracy on held-out seed episodes."""
+    """The warm start, the synthetic-RL and the sim-to-real policies on held-out tasks: closed-loop success (with
+    confidence intervals) in the real environment, or inside the experience model for a seed-only domain, and
+    teacher-forced next-action accuracy on held-out seed episodes."""
     from components import policy, sft
     from components.environments.registry import has_adapter, real_environment
-    from components.evaluation import evaluate_policy, format_success
+    from components.environments.synthetic import first_state_tasks
+    from components.evaluation import evaluate_in_simulation, evaluate_policy, format_success
     from components.experience_model import HFGenerationBackend
+    from components.rollouts import SyntheticBatch
 
     root, fmt = Path(root), _policy_format(params)
     candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
@@ -518,6 +530,10 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     skipped = [name for name in params.policy.environments if not has_adapter(name)]
     tasks = {name: real_environment(name).make_tasks(params.environments, "heldout", params.policy.eval_tasks,
                                                      params.seed) for name in environments}
+    # A seed-only domain has no application to play: its held-out seed tasks are played in the experience model.
+    simulated = {name: [t for t in first_state_tasks(_policy_trajectories(params, root, heldout=True))
+                        if t.environment == name][: params.policy.eval_tasks] for name in skipped}
+    simulators = _synthetic_environments(params, root, _saved_buffer(params, root), skipped)[0] if skipped else []
     metrics: dict[str, Any] = {"skipped": skipped}
     rows = []
     for label, model_dir in candidates.items():
@@ -536,6 +552,18 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
             rows.append([name, label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
+        for env in simulators:
+            if not simulated[env.name]:
+                continue
+            result = evaluate_in_simulation(model, tokenizer, SyntheticBatch(env), simulated[env.name], fmt,
+                                            max_turns=params.policy.max_turns,
+                                            max_action_tokens=params.policy.max_action_tokens,
+                                            confidence=params.evaluate.confidence, name=label)
+            entry[f"{env.name} (simulated)"] = result.metrics()
+            accuracy = entry.get("next_action", {}).get("accuracy")
+            rows.append([f"{env.name} (in the experience model)", label, result.episodes, format_success(result),
+                         f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
+                         f"{result.wall_s:.0f}"])
         metrics[label.replace(" ", "_")] = entry
     rl_metrics, s2r_metrics = metrics_path("synthetic_rl", root), metrics_path("sim_to_real", root)
     transitions = json.loads(rl_metrics.read_text())["synthetic_transitions"] if rl_metrics.exists() else "n/a"
@@ -549,15 +577,22 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
               f"teacher-forced on {len(heldout)} held-out seed episodes. The synthetic RL policy saw {transitions} "
               f"synthetic transitions and no real ones beyond the seed; sim-to-real then used {real} real "
               "transitions.\n"
-            + (f"\nSkipped (no real-environment adapter): {', '.join(skipped)}.\n" if skipped else ""))
+            + (f"\nNo real-environment adapter (seed-only domains): {', '.join(skipped)}. Their held-out seed tasks "
+               "are played inside the experience model instead: that success is the simulator's verdict, a check "
+               "of the policy against the learned dynamics, not of the application.\n" if skipped else ""))
     write_stage_outputs("evaluate_policies", metrics, text, root)
     return metrics
 
 
-def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult:
-    """Onboard the collected seed set (collect_seed's output) into the versioned data directory."""
+def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult | None:
+    """Onboard the collected seed set (collect_seed's output) into the versioned data directory; None when there
+    is nothing to collect: every configured environment is a seed-only domain, whose data the user onboarded."""
+    from components.collection import collectable
+
     root = Path(root)
     paths = sorted((root / params.collect_seed.out_dir).glob("*.jsonl"))
+    if not paths and not collectable(params.collect_seed.environments)[0]:
+        return None
     if not paths:
         raise StageError(f"nothing collected in {params.collect_seed.out_dir}/; run `dvc repro collect_seed` first")
     # replace: re-collecting a task (after a param change) supersedes the episode collected before; MiniWoB pages

@@ -157,13 +157,18 @@ def _train_experience_model(project, model_dir, environment, **overrides):
         run("dreamgym", "stage", stage, cwd=project)
 
 
-def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
-    """train_policy_sft -> synthetic_rl -> evaluate_policies on tiny models, in a seed-only domain."""
-    # min_variance 0: the curriculum varies a task after every iteration, whatever the tiny policy earns
-    _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen", **{"data.heldout_task_fraction": 0.3,
-                                                                          "synthetic_rl.curriculum.min_variance": 0})
-    for stage in ("train_policy_sft", "synthetic_rl", "sim_to_real", "evaluate_policies"):
-        run("dreamgym", "stage", stage, cwd=onboarded)
+def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
+    """A domain with no environment adapter (demo-kitchen, onboarded from a JSONL file alone) through `dvc repro`:
+    experience model, buffer, policy, synthetic RL with curriculum, evaluation inside the experience model; the
+    real-environment stages skip with a reason."""
+    set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
+                           "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
+                           "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
+                           # 0: the curriculum varies a task after every iteration, whatever the tiny policy earns
+                           "synthetic_rl.curriculum.min_variance": 0})
+    run("dvc", "repro", cwd=onboarded)
+    assert json.loads((onboarded / "metrics" / "collect_seed.json").read_text())["skipped"] == ["demo-kitchen"]
+    assert json.loads((onboarded / "metrics" / "evaluate.json").read_text())["skipped"] == ["demo-kitchen"]
     warm = json.loads((onboarded / "metrics" / "train_policy_sft.json").read_text())
     assert warm["global_step"] == 1 and warm["demonstrations"] > 0 and warm["heldout_next_action"]["steps"] > 0
     rl = json.loads((onboarded / "metrics" / "synthetic_rl.json").read_text())
@@ -179,9 +184,13 @@ def test_policy_stages_warm_start_rl_and_evaluate(onboarded, tiny_model_dir):
     s2r = json.loads((onboarded / "metrics" / "sim_to_real.json").read_text())
     assert s2r["iterations"] == 0 and "seed-only domain" in s2r["reason"]  # skipped with a reason, not an error
     evaluated = json.loads((onboarded / "metrics" / "evaluate_policies.json").read_text())
-    assert evaluated["skipped"] == ["demo-kitchen"]  # no real environment: accuracy only
-    assert {"sft_warm_start", "synthetic_grpo"} <= set(evaluated)
-    assert "next-action accuracy" in (onboarded / "reports" / "evaluate_policies.md").read_text()
+    assert evaluated["skipped"] == ["demo-kitchen"] and "sim-to-real" not in evaluated  # nothing to evaluate there
+    for label in ("sft_warm_start", "synthetic_grpo"):  # closed loop inside the experience model, on held-out tasks
+        simulated = evaluated[label]["demo-kitchen (simulated)"]
+        assert simulated["episodes"] == 1 and 0 <= simulated["success_rate"] <= 1
+    report = (onboarded / "reports" / "evaluate_policies.md").read_text()
+    assert "next-action accuracy" in report and "demo-kitchen (in the experience model)" in report
+    assert "didn't change" in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do
 
 
 def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_model_dir):
