@@ -1,5 +1,6 @@
 """The pipeline as it exists, through DVC and through a real (temporary) Prefect server."""
 import json
+import re
 import shutil
 
 import pytest
@@ -190,7 +191,11 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
         assert simulated["episodes"] == 1 and 0 <= simulated["success_rate"] <= 1
     report = (onboarded / "reports" / "evaluate_policies.md").read_text()
     assert "next-action accuracy" in report and "demo-kitchen (in the experience model)" in report
-    assert "didn't change" in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do
+    assert "Running stage" not in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do
+
+    set_params(onboarded, {"synthetic_rl.learning_rate": 2e-5})  # one param: only the stages downstream of it rerun
+    ran = re.findall(r"Running stage '(\w+)'", run("dvc", "repro", cwd=onboarded).stdout)
+    assert ran == ["synthetic_rl", "sim_to_real", "evaluate_policies"]
 
 
 def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_model_dir):
