@@ -131,6 +131,7 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
         curriculum.propose(generator, iteration + 1)
     fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,
               "curriculum_s": round(time.monotonic() - started, 2),
+              "tasks": " ".join(t.task_id for t in tasks[::settings.group_size]),
               "generated_tasks_played": sum("parent_task_id" in t.parameters for t in tasks[::settings.group_size]),
               **curriculum.summary()}
     return episodes, stats, fields
