@@ -88,6 +88,7 @@ SYSTEM = (
     "the constraints, the goal or the context. The new task must be possible from the same initial state. "
     "Reply with the new task only, in exactly this format:\n<instruction>the new task</instruction>"
 )
+INSTRUCTION_END = "</instruction>"  # generation can stop there
 _INSTRUCTION = re.compile(r"<instruction>(.*?)</instruction>", re.DOTALL)
 
 

@@ -167,6 +167,7 @@ class Prediction:
     attempts: int = 1  # generations it took (1 + retries)
 
 
+REPLY_END = "</done>"  # the last tag of a reply: generation can stop there (`make_backend(..., stop=(REPLY_END,))`)
 # The whole reply up to the first </done>; anything after it is ignored (a model may run on before it stops).
 # Non-greedy next_state with optional newlines around it: the exact inverse of format_target.
 _TARGET = re.compile(
@@ -182,10 +183,10 @@ def parse_prediction(text: str) -> Prediction | None:
     """The prediction in a reply, or None if the reply breaks the format in any way (never raises)."""
     if not isinstance(text, str):
         return None
-    end = text.find("</done>")
+    end = text.find(REPLY_END)
     if end < 0:
         return None
-    match = _TARGET.fullmatch(text[: end + len("</done>")])
+    match = _TARGET.fullmatch(text[: end + len(REPLY_END)])
     if match is None or not match["next_state"].strip():
         return None
     try:
@@ -263,8 +264,10 @@ class HFGenerationBackend:
     temperature 0 is greedy decoding (reproducible); above 0 samples.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 8) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 8,
+                 stop: Sequence[str] = ()) -> None:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.stop = list(stop)  # a reply ends at the first of these (kept): tokens after it would be thrown away
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
 
@@ -282,9 +285,10 @@ class HFGenerationBackend:
                                         return_tensors="pt").to(self.model.device)
             sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
                 if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            stopping = {"stop_strings": self.stop, "tokenizer": self.tokenizer} if self.stop else {}
             with torch.inference_mode():
                 output = self.model.generate(**inputs, max_new_tokens=max_new_tokens,
-                                             pad_token_id=self.tokenizer.pad_token_id, **sampling)
+                                             pad_token_id=self.tokenizer.pad_token_id, **sampling, **stopping)
             new_tokens = output[:, inputs["input_ids"].shape[1]:]
             for i, text in zip(batch, self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
                 replies[i] = text
@@ -319,8 +323,10 @@ class OpenAICompatibleBackend:
         max_retries: int = 3,
         concurrency: int = 8,
         backoff_s: float = 1.0,
+        stop: Sequence[str] = (),
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.stop = list(stop)  # the API's `stop`: servers leave the stop string out, so it is put back
         self.model = model
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.timeout_s, self.max_retries, self.concurrency = timeout_s, max_retries, concurrency
@@ -329,11 +335,13 @@ class OpenAICompatibleBackend:
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         def one(prompt: Prompt) -> str:
             body: dict[str, Any] = {"model": self.model, "max_tokens": max_new_tokens, "temperature": temperature}
+            if self.stop:
+                body["stop"] = self.stop
             if isinstance(prompt, str):
-                reply = self._post("/completions", {**body, "prompt": prompt})
-                return reply["choices"][0]["text"] or ""
-            reply = self._post("/chat/completions", {**body, "messages": prompt})
-            return reply["choices"][0]["message"]["content"] or ""
+                choice = self._post("/completions", {**body, "prompt": prompt})["choices"][0]
+                return _with_stop(choice["text"] or "", choice, self.stop)
+            choice = self._post("/chat/completions", {**body, "messages": prompt})["choices"][0]
+            return _with_stop(choice["message"]["content"] or "", choice, self.stop)
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
             return list(pool.map(one, prompts))
@@ -358,6 +366,14 @@ class OpenAICompatibleBackend:
         raise AssertionError("unreachable")
 
 
+def _with_stop(text: str, choice: dict[str, Any], stop: Sequence[str]) -> str:
+    """OpenAI-style servers cut the stop string off; with one stop string it is known and goes back on, so a
+    reply reads the same from every backend (`</done>` closes the experience model's format)."""
+    if choice.get("finish_reason") == "stop" and len(stop) == 1 and not text.endswith(stop[0]):
+        return text + stop[0]
+    return text
+
+
 class VLLMBackend:
     """vLLM offline inference (GPU): `LLM(model_dir).chat(...)`. A seam for machines that have vLLM installed.
 
@@ -365,7 +381,8 @@ class VLLMBackend:
     rollout workers instead, run `vllm serve MODEL_DIR` and use `OpenAICompatibleBackend("http://host:8000/v1", ...)`.
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, stop: Sequence[str] = (), **engine_kwargs: Any) -> None:
+        self.stop = list(stop)
         try:
             from vllm import LLM
         except ImportError as error:
@@ -378,7 +395,8 @@ class VLLMBackend:
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
+        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop=self.stop or None,
+                                include_stop_str_in_output=True)
         replies: list[str] = [""] * len(prompts)
         chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
@@ -397,19 +415,21 @@ def make_backend(
     batch_size: int = 8,
     base_url: str | None = None,
     dtype: Literal["float32", "bfloat16"] = "float32",
+    stop: Sequence[str] = (),
 ) -> ExperienceModelBackend:
-    """The backend params.yaml names: `model` is a trained model directory (hf, vllm) or the served name (openai)."""
+    """The backend params.yaml names: `model` is a trained model directory (hf, vllm) or the served name (openai).
+    `stop`: strings that end a reply (e.g. the closing tag of the expected format), kept in the reply."""
     if kind == "hf":
         from components.sft import load_trained_model
 
         lm, tokenizer = load_trained_model(model, dtype=dtype)
-        return HFGenerationBackend(lm, tokenizer, batch_size=batch_size)
+        return HFGenerationBackend(lm, tokenizer, batch_size=batch_size, stop=stop)
     if kind == "vllm":
-        return VLLMBackend(model)
+        return VLLMBackend(model, stop=stop)
     if kind == "openai":
         if not base_url:
             raise ValueError("the 'openai' backend needs base_url (e.g. http://127.0.0.1:8000/v1)")
-        return OpenAICompatibleBackend(base_url, model)
+        return OpenAICompatibleBackend(base_url, model, stop=stop)
     raise ValueError(f"unknown backend {kind!r}: expected 'hf', 'vllm' or 'openai'")
 
 

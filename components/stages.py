@@ -230,8 +230,7 @@ def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[st
         heldout = [t for group in per_environment.values() for t in group[:settings.fidelity_max_transitions]]
     buffer = _saved_buffer(params, root)
     fmt, inference = em.PromptFormat(**settings.prompt.model_dump()), settings.inference
-    model = params.models.experience if inference.backend == "openai" else str(root / settings.out_dir / "model")
-    backend = em.make_backend(inference.backend, model, inference.batch_size, inference.base_url)
+    backend = _experience_backend(params, root)
     stats = em.PredictionStats()
     predictors = {
         "experience model": fidelity.model_predictor(
@@ -334,6 +333,15 @@ def _rl_settings(params: Params):
         value_learning_rate=rl.ppo.value_learning_rate, seed=params.seed)
 
 
+def _experience_backend(params: Params, root: Path) -> Any:
+    """The trained experience model behind the configured inference backend; replies stop at their last tag."""
+    from components import experience_model as em
+
+    inference, out_dir = params.experience_model.inference, params.experience_model.out_dir
+    model = params.models.experience if inference.backend == "openai" else str(root / out_dir / "model")
+    return em.make_backend(inference.backend, model, inference.batch_size, inference.base_url, stop=(em.REPLY_END,))
+
+
 def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list[str]) -> tuple[list, Any]:
     """Synthetic environments imitating `names` (the trained experience model + `buffer`) and their shared
     prediction counters."""
@@ -342,8 +350,7 @@ def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list
 
     experience = params.experience_model
     fmt, inference = em.PromptFormat(**experience.prompt.model_dump()), experience.inference
-    model = params.models.experience if inference.backend == "openai" else str(root / experience.out_dir / "model")
-    backend = em.make_backend(inference.backend, model, inference.batch_size, inference.base_url)
+    backend = _experience_backend(params, root)
     stats = em.PredictionStats()
     envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
                                  stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
@@ -356,7 +363,7 @@ def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[A
     (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
     reward variance over clusters of similar tasks, since its episodes are not grouped by task."""
     from components import experience_model as em
-    from components.curriculum import Curriculum, CurriculumSettings, cluster_tasks
+    from components.curriculum import INSTRUCTION_END, Curriculum, CurriculumSettings, cluster_tasks
 
     settings = params.synthetic_rl.curriculum
     clusters = None
@@ -368,11 +375,12 @@ def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[A
     inference = params.experience_model.inference
     if inference.backend == "openai":
         return curriculum, em.make_backend("openai", params.models.experience, inference.batch_size,
-                                           inference.base_url)
+                                           inference.base_url, stop=(INSTRUCTION_END,))
     from components.models import resolve_model
 
     backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
-    return curriculum, em.make_backend(inference.backend, str(backbone), inference.batch_size)
+    return curriculum, em.make_backend(inference.backend, str(backbone), inference.batch_size,
+                                       stop=(INSTRUCTION_END,))
 
 
 def _curriculum_sentence(curriculum: Any) -> str:

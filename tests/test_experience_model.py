@@ -27,6 +27,7 @@ from components.experience_model import (
     HFGenerationBackend,
     OpenAICompatibleBackend,
     PredictionStats,
+    REPLY_END,
     PromptFormat,
     VLLMBackend,
     build_messages,
@@ -323,6 +324,25 @@ class _ChatServer:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def test_replies_stop_at_the_stop_string_on_every_backend(tiny: Path):
+    model, tokenizer = load_trained_model(tiny)
+    prompt = build_messages(ExperienceQuery(TASK, KITCHEN, "open fridge"), PromptFormat())
+    [free] = HFGenerationBackend(model, tokenizer).generate([prompt], max_new_tokens=12)
+    stop = next(text for text in tokenizer.batch_decode(tokenizer(free)["input_ids"][:3]) if text.strip())
+    [stopped] = HFGenerationBackend(model, tokenizer, stop=[stop]).generate([prompt], max_new_tokens=12)
+    assert stopped.endswith(stop) and free.startswith(stopped) and len(stopped) < len(free)
+
+    # OpenAI-style servers drop the stop string: the backend puts it back, so the reply still parses
+    server = _ChatServer(format_target(OPEN, 0.0, False, "The fridge opens.").removesuffix(REPLY_END))
+    try:
+        backend = OpenAICompatibleBackend(server.url, "exp-model", backoff_s=0.01, concurrency=1, stop=[REPLY_END])
+        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat())
+    finally:
+        server.close()
+    assert (prediction.next_state, prediction.fallback) == (OPEN, False)
+    assert server.requests[-1][1]["stop"] == [REPLY_END]
 
 
 def test_openai_compatible_backend_over_real_http():
