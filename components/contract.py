@@ -27,6 +27,14 @@ class Task:
     instruction: str
     parameters: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Task:
+        return cls(record["task_id"], record["environment"], record["instruction"], record.get("parameters") or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "environment": self.environment, "instruction": self.instruction,
+                "parameters": self.parameters}
+
 
 @dataclass(frozen=True)
 class Step:
@@ -49,10 +57,9 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Trajectory:
-        task = record["task"]
         return cls(
             trajectory_id=record["trajectory_id"],
-            task=Task(task["task_id"], task["environment"], task["instruction"], task.get("parameters") or {}),
+            task=Task.from_dict(record["task"]),
             steps=[
                 Step(s["state"], s["action"], s["next_state"], float(s["reward"]), s["done"], s.get("info") or {})
                 for s in record["steps"]
@@ -65,12 +72,7 @@ class Trajectory:
     def to_dict(self) -> dict[str, Any]:
         return {
             "trajectory_id": self.trajectory_id,
-            "task": {
-                "task_id": self.task.task_id,
-                "environment": self.task.environment,
-                "instruction": self.task.instruction,
-                "parameters": self.task.parameters,
-            },
+            "task": self.task.to_dict(),
             "steps": [
                 {"state": s.state, "action": s.action, "next_state": s.next_state,
                  "reward": s.reward, "done": s.done, "info": s.info}

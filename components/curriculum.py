@@ -65,19 +65,9 @@ class CurriculumSettings:
 # ---- task records ---------------------------------------------------------------------------------------------
 
 
-def task_to_dict(task: Task) -> dict[str, Any]:
-    """The contract's JSON form of a task (as inside a trajectory record)."""
-    return {"task_id": task.task_id, "environment": task.environment, "instruction": task.instruction,
-            "parameters": task.parameters}
-
-
-def task_from_dict(record: Mapping[str, Any]) -> Task:
-    return Task(record["task_id"], record["environment"], record["instruction"], record.get("parameters") or {})
-
-
 def read_tasks(path: str | Path) -> list[Task]:
     """Task records written by `Curriculum.write_tasks` (JSONL, one task per line)."""
-    return [task_from_dict(record) for record in read_records(path)]
+    return [Task.from_dict(record) for record in read_records(path)]
 
 
 # ---- prompt and parsing ---------------------------------------------------------------------------------------
@@ -263,12 +253,12 @@ class Curriculum:
         """The generated tasks as JSONL task records, in creation order (atomic write)."""
         if file_format(path) != "jsonl":
             raise ValueError(f"{path}: generated tasks are written as .jsonl")
-        write_records((task_to_dict(task) for task in self.generated), path)
+        write_records((task.to_dict() for task in self.generated), path)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "generated": [task_to_dict(task) for task in self.generated],
+            "generated": [task.to_dict() for task in self.generated],
             "variance": dict(self.variance),
             "cluster_variance": {str(c): v for c, v in self.cluster_variance.items()},  # JSON keys are strings
             "clusters": dict(self.clusters) if self.clusters is not None else None,
@@ -281,7 +271,7 @@ class Curriculum:
         """Restore a `state_dict` (after a JSON round trip, too) onto a curriculum over the same base tasks."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"curriculum state version {state.get('version')!r}, expected {STATE_VERSION}")
-        self.generated = [task_from_dict(record) for record in state["generated"]]
+        self.generated = [Task.from_dict(record) for record in state["generated"]]
         self.tasks_by_id = {task.task_id: task for task in [*self.base_tasks, *self.generated]}
         self.variance = dict(state["variance"])
         self.cluster_variance = {int(c): v for c, v in state["cluster_variance"].items()}

@@ -37,11 +37,7 @@ def line_plot(rows: list[dict[str, Any]], x: str, ys: list[str], path: str | Pat
     series = [y for y in ys if any(row.get(y) is not None for row in rows)]
     if not rows or not series:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axes = plt.subplots(1, len(series), figsize=(3.2 * len(series), 2.8), squeeze=False)
     for axis, y in zip(axes[0], series):
         points = [(row[x], row[y]) for row in rows if row.get(y) is not None]
@@ -50,11 +46,26 @@ def line_plot(rows: list[dict[str, Any]], x: str, ys: list[str], path: str | Pat
         axis.set_xlabel(x, fontsize=8)
         axis.tick_params(labelsize=7)
     figure.suptitle(title, fontsize=10)
+    return save_figure(figure, path)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files only (no display); imported on first use, it takes a second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure: Any, path: str | Path) -> Path:
+    """Lay out, write as PNG (creating the folder) and close `figure`."""
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
-    plt.close(figure)
+    pyplot().close(figure)
     return path
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from components.evaluation import wilson_interval
-from components.reports import markdown_table
+from components.reports import markdown_table, pyplot, save_figure
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,7 @@ def success_plot(metrics: dict[str, Any], path: str | Path) -> Path | None:
     bars = [(f"{method}\n{environment}", m) for method, by_env in metrics.items() for environment, m in by_env.items()]
     if not bars:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(max(4.0, 0.9 * len(bars)), 3.6))
+    figure, axis = pyplot().subplots(figsize=(max(4.0, 0.9 * len(bars)), 3.6))
     rates = [m["success_rate"] for _, m in bars]
     errors = [[r - m["success_ci_low"] for r, (_, m) in zip(rates, bars, strict=True)],
               [m["success_ci_high"] - r for r, (_, m) in zip(rates, bars, strict=True)]]
@@ -126,12 +121,7 @@ def success_plot(metrics: dict[str, Any], path: str | Path) -> Path | None:
     axis.set_xticks(range(len(bars)), [label for label, _ in bars], rotation=60, ha="right", fontsize=7)
     axis.set_ylabel("held-out success")
     axis.set_ylim(0, 1)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def _read(path: Path) -> dict[str, Any]:
