@@ -26,22 +26,9 @@ cmdline_tag() {
     fi
 }
 
-# Print the pid of service $1 if the pid file names a live process of ours (zombies have an empty cmdline).
-our_pid() {
-    local file=$DIR/run/$1.pid pid cmdline
-    [ -f "$file" ] || return 1
-    pid=$(<"$file")
-    case $pid in '' | *[!0-9]*) return 1 ;; esac
-    cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
-    [[ $cmdline == *"$(cmdline_tag "$1")"* ]] || return 1
-    echo "$pid"
-}
-
-lock_state_dir() {
-    mkdir -p "$DIR"
-    exec 9>"$DIR/.lock"
-    flock -w 120 9 || { echo "another start.sh/stop.sh holds $DIR/.lock" >&2; exit 1; }
-}
+# our_pid, lock_state_dir
+# shellcheck source=../services.sh
+source "$HERE/../services.sh"
 
 # SIGTERM the processes named by our pid files, wait for them, SIGKILL stragglers, drop the pid files.
 stop_services() {
