@@ -539,8 +539,9 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     tasks = {name: real_environment(name).make_tasks(params.environments, "heldout", params.policy.eval_tasks,
                                                      params.seed) for name in environments}
     # A seed-only domain has no application to play: its held-out seed tasks are played in the experience model.
-    simulated = {name: [t for t in first_state_tasks(_policy_trajectories(params, root, heldout=True))
-                        if t.environment == name][: params.policy.eval_tasks] for name in skipped}
+    heldout_tasks = first_state_tasks(_policy_trajectories(params, root, heldout=True)) if skipped else []
+    simulated = {name: [t for t in heldout_tasks if t.environment == name][: params.policy.eval_tasks]
+                 for name in skipped}
     simulators = _synthetic_environments(params, root, _saved_buffer(params, root), skipped)[0] if skipped else []
     metrics: dict[str, Any] = {"skipped": skipped}
     rows = []
