@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,6 +98,7 @@ class ArtifactStore(ABC):
         files = _files_of(src)
         manifest: dict[str, Any] = {
             "kind": "file" if src.is_file() else "dir",
+            "stored_at": time.time(),  # orders runs for `prune`
             "files": {rel: {"sha256": sha256_file(path), "size": path.stat().st_size} for rel, path in files},
         }
         # Replace, never merge: the old manifest goes first so a crash mid-way leaves no complete-looking mix.
@@ -161,6 +163,32 @@ class ArtifactStore(ABC):
         """Names of the complete artifacts of a run."""
         names = self._children(_check_name("run_id", run_id))
         return sorted(name for name in names if _NAME.fullmatch(name) and self.exists(run_id, name))
+
+    def stored_at(self, run_id: str) -> float:
+        """When the run's newest artifact was stored (seconds since the epoch; 0 for manifests without a time)."""
+        return max((self.manifest(run_id, name).get("stored_at", 0.0) for name in self.list_artifacts(run_id)),
+                   default=0.0)
+
+    def delete_run(self, run_id: str) -> None:
+        """Remove every artifact of a run (manifests first, so no reader sees a half-deleted artifact)."""
+        for name in self._children(_check_name("run_id", run_id)):
+            self._delete_tree(f"{run_id}/{name}")
+        self._delete_tree(run_id)
+
+    def prune(self, keep: int, dry_run: bool = False) -> list[str]:
+        """Delete all runs but the `keep` most recently stored; return the deleted (or, dry, deletable) run ids.
+
+        Every pipeline run copies its models here, so the store grows by their size per run; DVC's remote keeps
+        what `dvc.lock` names, so pruning old runs loses no version the repository can still check out.
+        """
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least the newest run")
+        runs = sorted(self.list_runs(), key=self.stored_at, reverse=True)
+        old = runs[keep:]
+        if not dry_run:
+            for run_id in old:
+                self.delete_run(run_id)
+        return old
 
 
 class LocalArtifactStore(ArtifactStore):

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     flow.add_argument("name", choices=sorted(STAGES) + ["pipeline", "results_study"])
     commands.add_parser("deploy", help="register the pipeline's retraining deployment (schedule, onboarding "
                         "trigger; params.yaml `prefect`) on the Prefect server PREFECT_API_URL names")
+    artifacts = commands.add_parser("artifacts", help="the artifact store (params.yaml `storage`): list or prune runs")
+    artifacts.add_argument("action", choices=["list", "prune"])
+    artifacts.add_argument("--keep", type=int, default=5, help="prune: runs to keep, newest first (default: %(default)s)")
+    artifacts.add_argument("--dry-run", action="store_true", help="prune: say what would be deleted, delete nothing")
     params_command = commands.add_parser("params", help="params.yaml: check it, or switch profile")
     params_command.add_argument("action", choices=["check", "use"])
     params_command.add_argument("profile", nargs="?", help="for `use`: quick, gpu (profiles/NAME.yaml) or a path")
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(lambda: pipeline.FLOWS[args.name]())
     if args.command == "deploy":
         return _deploy(args, params)
+    if args.command == "artifacts":
+        return _artifacts(args, params)
     if args.action == "use":
         from components.config import use_profile
 
@@ -127,6 +133,29 @@ def _announce_onboarded(result) -> None:
     if sent:
         print(f"Sent Prefect the event {SEED_ONBOARDED}: the deployed pipeline retrains if `dreamgym deploy` "
               "registered its onboarding trigger")
+
+
+def _artifacts(args: argparse.Namespace, params) -> int:
+    import time
+
+    from components.artifacts import ArtifactError, open_artifact_store
+
+    try:
+        store = open_artifact_store(params.storage)
+        if args.action == "list":
+            runs = sorted(store.list_runs(), key=store.stored_at, reverse=True)
+            for run_id in runs:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(store.stored_at(run_id)))
+                print(f"{run_id}  {when}  {', '.join(store.list_artifacts(run_id))}")
+            print(f"{len(runs)} runs in {store!r}")
+            return EXIT_OK
+        removed = store.prune(args.keep, dry_run=args.dry_run)
+    except (ArtifactError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(removed)} runs, kept the newest {args.keep}" + "".join(f"\n  {run}" for run in removed))
+    return EXIT_OK
 
 
 def _deploy(args: argparse.Namespace, params) -> int:

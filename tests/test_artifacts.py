@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -119,6 +120,38 @@ def test_list_runs_and_artifacts(store, tmp_path):
     assert store.list_runs() == ["run-1", "run-2"]
     assert store.list_artifacts("run-1") == ["data", "policy"]
     assert store.list_artifacts("run-3") == []
+
+
+def test_prune_keeps_the_most_recently_stored_runs(store, model_dir, tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("x")
+    for run_id in ["run-c", "run-a", "run-b"]:  # stored in this order; names do not sort by time
+        store.put(src, run_id, "metrics")
+        store.put(model_dir, run_id, "model")
+        time.sleep(0.01)
+    assert store.prune(keep=2, dry_run=True) == ["run-c"]
+    assert store.list_runs() == ["run-a", "run-b", "run-c"]
+    assert store.prune(keep=2) == ["run-c"]
+    assert store.list_runs() == ["run-a", "run-b"]
+    store.get("run-b", "model", tmp_path / "back")  # what is kept is whole
+    assert _tree(tmp_path / "back") == _tree(model_dir)
+    with pytest.raises(ValueError, match="keep at least"):
+        store.prune(keep=0)
+
+
+def test_cli_lists_and_prunes_the_configured_store(tmp_path, monkeypatch):
+    from flows.cli import main
+
+    store = LocalArtifactStore(tmp_path / "artifacts")
+    src = tmp_path / "a.txt"
+    src.write_text("x")
+    for run_id in ["old", "new"]:
+        store.put(src, run_id, "metrics")
+        time.sleep(0.01)
+    monkeypatch.chdir(tmp_path)  # storage.local_dir (artifacts) is relative to the working directory
+    params = Path(__file__).resolve().parents[1] / "params.yaml"
+    assert main(["--params", str(params), "artifacts", "prune", "--keep", "1"]) == 0
+    assert store.list_runs() == ["new"]
 
 
 def test_rejects_names_that_break_the_layout(store, tmp_path):
