@@ -24,15 +24,26 @@ study=(
   --set experience_model.inference.max_new_tokens=512 --set experience_model.inference.retries=1
 )
 mkdir -p "$results"
-for stage in train_policy_sft synthetic_rl evaluate_policies; do
-  if [ -f "$results/$stage.seconds" ]; then echo "== $stage: done before, skipped"; continue; fi
-  echo "== $stage"
-  start=$SECONDS
-  dreamgym "${study[@]}" stage "$stage"
-  echo $((SECONDS - start)) > "$results/$stage.seconds"
-  cp "metrics/$stage.json" "reports/$stage.md" "$results/"
-done
-cp metrics/synthetic_rl_iterations.csv "$results/"
-cp reports/*.png "$results/" 2>/dev/null || true
+
+step() {  # step NAME STAGE [--set ...]: one step of the study, skipped once done; its log in $results/NAME.log
+  local name=$1 stage=$2 start=$SECONDS
+  shift 2
+  if [ -f "$results/$name.seconds" ]; then echo "== $name: done before, skipped"; return; fi
+  echo "== $name (log: $results/$name.log)"
+  dreamgym "${study[@]}" "$@" stage "$stage" > "$results/$name.log" 2>&1
+  echo $((SECONDS - start)) > "$results/$name.seconds"
+  cp "metrics/$stage.json" "$results/$name.json"
+  cp "reports/$stage.md" "$results/$name.md"
+}
+
+step train_policy_sft train_policy_sft
+# Evaluating the warm start and training RL need nothing of each other: one core each. evaluate_policies scores
+# every policy whose model exists; pointing the other out_dirs at nothing leaves one.
+step evaluate_sft evaluate_policies --set synthetic_rl.out_dir=none/rl --set sim_to_real.out_dir=none/s2r &
+evaluating=$!
+step synthetic_rl synthetic_rl
+wait "$evaluating"
+step evaluate_rl evaluate_policies --set policy.sft.out_dir=none/sft --set sim_to_real.out_dir=none/s2r
+cp metrics/synthetic_rl_iterations.csv reports/synthetic_rl.png "$results/"
 printf '%s\n' "studies/policy.sh $epochs $iterations $results" "${study[@]}" > "$results/command.txt"
 echo "== done: $results"
