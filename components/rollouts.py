@@ -12,6 +12,7 @@ asks the experience model once per turn for the whole batch). An episode ends wh
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,6 +26,8 @@ from components.policy import SYSTEM, PolicyFormat, parse_action, state_message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -215,10 +218,13 @@ def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: E
     was_training = model.training
     model.eval()
     try:
-        for _ in range(max_turns):
+        for turn in range(max_turns):
             active = [i for i, e in enumerate(episodes) if not e.finished]
             if not active:
                 break
+            if turn:  # a turn of a large batch takes minutes on a CPU: say where the rollout is
+                log.info("rollout turn %d/%d: %d of %d episodes playing | policy %.0fs, environment %.0fs so far",
+                         turn + 1, max_turns, len(active), len(episodes), stats.policy_seconds, stats.env_seconds)
             started = time.monotonic()
             replies, logprobs = generate_actions(
                 model, tokenizer, [episodes[i].prompt_ids + episodes[i].completion_ids for i in active],
