@@ -181,10 +181,16 @@ def last_complete_checkpoint(checkpoints: Path, with_buffer: bool) -> Path | Non
 
 
 def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Curriculum) -> str:
-    """Checkpoints are only resumed by a run with the same settings, warm start, tasks and curriculum."""
+    """Checkpoints are only resumed by a run with the same settings, warm start, tasks and curriculum.
+
+    The run's length and checkpointing are left out: an iteration does not depend on them (the learning rate is
+    constant), so a run extended or cut to another number of iterations resumes where it stopped.
+    """
     import hashlib
 
-    payload = json.dumps([asdict(settings), policy_model, [t.task_id for t in curriculum.base_tasks],
+    what_an_iteration_does = {key: value for key, value in asdict(settings).items()
+                              if key not in ("iterations", "save_every", "save_total_limit")}
+    payload = json.dumps([what_an_iteration_does, policy_model, [t.task_id for t in curriculum.base_tasks],
                           asdict(curriculum.settings), curriculum.clusters], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 

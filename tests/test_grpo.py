@@ -3,6 +3,7 @@ experience model (tests/scripted_backend.py), a real faiss buffer."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -64,6 +65,12 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
                        PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
     assert again.resumed_from and again.iterations == 2 and again.log == json.loads(json.dumps(result.log))
     assert len(fresh) == len(buffer)  # restored in place: the caller's buffer object holds the synthetic transitions
+
+    # extended by one iteration: the run goes on from its last checkpoint instead of starting over
+    longer = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, fresh,
+                        PolicyFormat(), replace(SETTINGS, iterations=3), tmp_path / "rl", cache_dir=tmp_path)
+    assert longer.resumed_from and [row["iteration"] for row in longer.log] == [1, 2, 3]
+    assert longer.log[:2] == again.log
 
 
 def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_path):
