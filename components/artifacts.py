@@ -159,15 +159,22 @@ class ArtifactStore(ABC):
     def list_runs(self) -> list[str]:
         return sorted(run for run in self._children("") if _NAME.fullmatch(run))
 
+    def _manifests(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """The manifests of a run's complete artifacts, by name: one read each."""
+        found = {}
+        for name in self._children(_check_name("run_id", run_id)):
+            raw = self._read_bytes(f"{run_id}/{name}/{MANIFEST}") if _NAME.fullmatch(name) else None
+            if raw is not None:
+                found[name] = json.loads(raw)
+        return found
+
     def list_artifacts(self, run_id: str) -> list[str]:
         """Names of the complete artifacts of a run."""
-        names = self._children(_check_name("run_id", run_id))
-        return sorted(name for name in names if _NAME.fullmatch(name) and self.exists(run_id, name))
+        return sorted(self._manifests(run_id))
 
     def stored_at(self, run_id: str) -> float:
         """When the run's newest artifact was stored (seconds since the epoch; 0 for manifests without a time)."""
-        return max((self.manifest(run_id, name).get("stored_at", 0.0) for name in self.list_artifacts(run_id)),
-                   default=0.0)
+        return max((manifest.get("stored_at", 0.0) for manifest in self._manifests(run_id).values()), default=0.0)
 
     def delete_run(self, run_id: str) -> None:
         """Remove every artifact of a run (manifests first, so no reader sees a half-deleted artifact)."""

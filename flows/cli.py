@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                         "trigger; params.yaml `prefect`) on the Prefect server PREFECT_API_URL names")
     artifacts = commands.add_parser("artifacts", help="the artifact store (params.yaml `storage`): list or prune runs")
     artifacts.add_argument("action", choices=["list", "prune"])
-    artifacts.add_argument("--keep", type=int, default=5, help="prune: runs to keep, newest first (default: %(default)s)")
+    artifacts.add_argument("--keep", type=int, default=5,
+                           help="prune: runs to keep, newest first (default: %(default)s)")
     artifacts.add_argument("--dry-run", action="store_true", help="prune: say what would be deleted, delete nothing")
     params_command = commands.add_parser("params", help="params.yaml: check it, or switch profile")
     params_command.add_argument("action", choices=["check", "use"])
@@ -143,11 +144,12 @@ def _artifacts(args: argparse.Namespace, params) -> int:
     try:
         store = open_artifact_store(params.storage)
         if args.action == "list":
-            runs = sorted(store.list_runs(), key=store.stored_at, reverse=True)
-            for run_id in runs:
-                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(store.stored_at(run_id)))
+            stored = {run_id: store.stored_at(run_id) for run_id in store.list_runs()}
+            for run_id in sorted(stored, key=stored.get, reverse=True):
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored[run_id])) if stored[run_id] else (
+                    "time unknown")  # stored before manifests recorded it; prune treats these as oldest
                 print(f"{run_id}  {when}  {', '.join(store.list_artifacts(run_id))}")
-            print(f"{len(runs)} runs in {store!r}")
+            print(f"{len(stored)} runs in {store!r}")
             return EXIT_OK
         removed = store.prune(args.keep, dry_run=args.dry_run)
     except (ArtifactError, ValueError) as error:
