@@ -22,12 +22,12 @@ from components.annotation import (
 from components.contract import Step, Task, Trajectory, transitions
 from components.experience_model import (
     FALLBACK_NOTE,
+    REPLY_END,
     BackendError,
     ExperienceQuery,
     HFGenerationBackend,
     OpenAICompatibleBackend,
     PredictionStats,
-    REPLY_END,
     PromptFormat,
     VLLMBackend,
     build_messages,
