@@ -192,8 +192,10 @@ class ExperienceModelParams(Section):
     out_dir: str
     prompt: PromptParams
     training: TrainingParams
+    outcome_repeats: int = Field(ge=1, description="rewarded or terminal training transitions appear this many times")
     inference: InferenceParams
-    fidelity_max_transitions: int = Field(ge=0, description="held-out transitions scored per environment (0: all)")
+    fidelity_max_transitions: int = Field(
+        ge=0, description="held-out transitions scored per environment (0: all); rewarded and terminal ones first")
 
 
 class PolicyPromptParams(Section):

@@ -208,8 +208,13 @@ def sft_examples(
     annotated: Sequence[AnnotatedTransition],
     buffer: ReplayBuffer | None,
     fmt: PromptFormat,
+    outcome_repeats: int = 1,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
+
+    Rewarded or terminal transitions appear `outcome_repeats` times. Why: outcomes are rare in seed data (2-3% of
+    TextWorld steps), and a model trained on the plain mix learns "reward 0, not done" everywhere, so synthetic RL
+    never sees a success.
 
     History is rebuilt from the earlier steps of each transition's trajectory. Grounding examples come from
     `buffer.retrieve_examples`, which never returns the transition's own trajectory: the buffer holds the seed data
@@ -218,6 +223,8 @@ def sft_examples(
     """
     from datasets import Dataset
 
+    if outcome_repeats < 1:
+        raise ValueError(f"outcome_repeats must be >= 1, got {outcome_repeats}")
     by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
     for record in annotated:
         by_trajectory[record.trajectory_id].append(record)
@@ -235,12 +242,13 @@ def sft_examples(
         query = ExperienceQuery(record.task, record.state, record.action, tuple(history), tuple(found))
         target = format_target(record.next_state, record.reward, record.done,
                                record.reasoning if fmt.use_reasoning else None)
-        rows.append({
+        row = {
             "prompt": build_messages(query, fmt),
             "completion": [{"role": "assistant", "content": target}],
             "trajectory_id": record.trajectory_id,
             "step_index": record.step_index,
-        })
+        }
+        rows.extend([row] * (outcome_repeats if record.reward != 0 or record.done else 1))
     return Dataset.from_list(rows)
 
 

@@ -73,6 +73,24 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
             for t in transitions(trajectory, history_length)]
 
 
+def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
+    """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, the rest
+    ordinary, each kind in file order.
+
+    Why: outcomes are 2-3% of steps, so the first N steps hold almost none, and reward and done accuracy would only
+    measure "predicts nothing happens". The per-kind rows of the report keep the two kinds apart.
+    """
+    groups: dict[str, tuple[list[Transition], list[Transition]]] = defaultdict(lambda: ([], []))
+    for t in transitions_:
+        outcomes, ordinary = groups[t.task.environment]
+        (outcomes if t.reward != 0 or t.done else ordinary).append(t)
+    sample = []
+    for outcomes, ordinary in groups.values():
+        chosen = outcomes[:per_environment // 2]
+        sample += chosen + ordinary[:per_environment - len(chosen)]
+    return sample
+
+
 # -------------------------------------------------------------------------------------------------- the metrics
 _TOKEN = re.compile(r"\w+")
 

@@ -82,7 +82,11 @@ def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStat
         "iteration": iteration,
         "reward_mean": sum(e.return_ for e in episodes) / n,
         "success_rate": sum(e.success for e in episodes) / n,
+        "ended_rate": sum(e.done for e in episodes) / n,  # the environment (not the turn limit) ended them
         "turns_mean": sum(len(e.actions) for e in episodes) / n,
+        # steps where the experience model's reply was unparsable and the state stayed as it was
+        "fallback_steps": sum(bool(step.info.get("fallback"))
+                              for e in episodes if e.trajectory for step in e.trajectory.steps),
         "policy_tokens_mean": sum(sum(e.env_mask) for e in episodes) / n,
         "sequence_tokens_mean": sum(len(e.prompt_ids) + len(e.completion_ids) for e in episodes) / n,
         "buffer_size": len(buffer) if buffer is not None else None,

@@ -197,7 +197,7 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
         raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
     fmt = em.PromptFormat(**settings.prompt.model_dump())
     buffer = _saved_buffer(params, root) if fmt.use_retrieval else None
-    dataset = em.sft_examples(annotated, buffer, fmt)
+    dataset = em.sft_examples(annotated, buffer, fmt, settings.outcome_repeats)
     training = settings.training
     lora = sft.LoraSettings(**training.lora.model_dump()) if training.lora else None
     result = sft.train_sft(
@@ -208,7 +208,8 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
                "train_loss": result.train_loss, "seconds": round(result.seconds, 1),
                "resumed": result.resumed_from is not None}
     text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} annotated "
-            f"transitions of training tasks in {', '.join(settings.environments)} ({result.too_long} left out as "
+            f"transitions of training tasks in {', '.join(settings.environments)}, rewarded or terminal ones "
+            f"{settings.outcome_repeats} times ({result.too_long} left out as "
             f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, final training loss "
             f"{result.train_loss}, {result.seconds:.0f} s. Reasoning in the target: {fmt.use_reasoning}; retrieved "
             f"examples in the prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
@@ -224,10 +225,7 @@ def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[st
     root, settings = Path(root), params.experience_model
     heldout = fidelity.heldout_transitions(_experience_trajectories(params, root), params.data.heldout_task_fraction)
     if settings.fidelity_max_transitions:
-        per_environment: dict[str, list] = defaultdict(list)
-        for transition in heldout:
-            per_environment[transition.task.environment].append(transition)
-        heldout = [t for group in per_environment.values() for t in group[:settings.fidelity_max_transitions]]
+        heldout = fidelity.outcomes_first_sample(heldout, settings.fidelity_max_transitions)
     buffer = _saved_buffer(params, root)
     fmt, inference = em.PromptFormat(**settings.prompt.model_dump()), settings.inference
     backend = _experience_backend(params, root)

@@ -257,6 +257,15 @@ def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     assert parse_prediction(plain[0]["completion"][0]["content"]).reasoning is None
 
 
+def test_sft_examples_repeat_rewarded_and_terminal_transitions():
+    records = annotate([_trajectory("tw-1")])
+    dataset = sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=3)
+    assert [row["step_index"] for row in dataset] == [0, 1, 2, 2, 2]  # only "eat meal" is rewarded and terminal
+    assert "eat meal" not in dataset[4]["prompt"][1]["content"].split("Current state")[0]  # history not repeated
+    with pytest.raises(ValueError, match="outcome_repeats"):
+        sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=0)
+
+
 # ---- backends -------------------------------------------------------------------------------------------------
 
 

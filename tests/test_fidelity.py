@@ -19,6 +19,7 @@ from components.fidelity import (
     exact_match,
     fidelity_report,
     heldout_transitions,
+    outcomes_first_sample,
     reward_correct,
     score_predictions,
     state_unchanged,
@@ -119,6 +120,18 @@ def test_heldout_transitions_takes_only_heldout_tasks():
     assert {t.task.task_id for t in held} == expected
     assert len(held) == 2 * len(expected)
     assert heldout_transitions(trajectories, 0.0) == []
+
+
+def test_outcomes_first_sample_keeps_rare_outcomes_and_caps_each_environment():
+    ordinary = [transition("s", f"look {i}", "s", step_index=i) for i in range(10)]
+    outcomes = [transition("s", "eat meal", "won", 1.0, True, step_index=20),
+                transition("s", "eat knife", "dead", 0.0, True, step_index=21)]
+    web = [transition("p", f"click {i}", "p", environment="miniwob", step_index=i) for i in range(3)]
+    sample = outcomes_first_sample(ordinary + outcomes + web, 4)
+    tw = [t for t in sample if t.task.environment == "textworld-cooking"]
+    assert [t.action for t in tw] == ["eat meal", "eat knife", "look 0", "look 1"]  # outcomes first, half the cap
+    assert [t.action for t in sample if t.task.environment == "miniwob"] == ["click 0", "click 1", "click 2"]
+    assert [t.action for t in outcomes_first_sample(ordinary + outcomes, 2)] == ["eat meal", "look 0"]
 
 
 # ---------------------------------------------------------------------------------------------------- baselines

@@ -50,6 +50,8 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
     for key in ("reward_mean", "success_rate", "kl", "entropy", "loss", "policy_tokens_mean", "turns_mean",
                 "policy_generation_s", "environment_s", "optimisation_s"):
         assert key in first, key
+    assert 0 <= first["fallback_steps"] <= first["turns_mean"] * SETTINGS.episodes_per_iteration
+    assert 0 <= first["ended_rate"] <= 1
     # every episode's transitions went into the buffer as synthetic experience: 2 iterations x 4 episodes
     turns = sum(row["turns_mean"] * SETTINGS.episodes_per_iteration for row in result.log)
     assert len(buffer) == buffer.count(source="synthetic") == round(turns)
