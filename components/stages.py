@@ -14,12 +14,13 @@ from typing import Any
 
 from components.artifacts import open_artifact_store
 from components.config import Params
-from components.contract import Trajectory, is_heldout_task, read_trajectories, transitions
+from components.contract import Trajectory, is_heldout_task, read_trajectories, transitions, write_records
 from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
 log = logging.getLogger(__name__)
+PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # evaluate_experience_model's
 
 
 class StageError(RuntimeError):
@@ -230,20 +231,29 @@ def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[st
     fmt, inference = em.PromptFormat(**settings.prompt.model_dump()), settings.inference
     backend = _experience_backend(params, root)
     stats = em.PredictionStats()
+    model = fidelity.model_predictor(
+        backend, fmt, buffer, retries=inference.retries, max_new_tokens=inference.max_new_tokens,
+        temperature=inference.temperature, retry_temperature=inference.retry_temperature, stats=stats)
+    predictions = model(heldout)
     predictors = {
-        "experience model": fidelity.model_predictor(
-            backend, fmt, buffer, retries=inference.retries, max_new_tokens=inference.max_new_tokens,
-            temperature=inference.temperature, retry_temperature=inference.retry_temperature, stats=stats),
+        "experience model": lambda _: predictions,
         "copy nearest neighbour": fidelity.copy_nearest_neighbour(buffer),
         "state unchanged": fidelity.state_unchanged,
     }
     results = fidelity.evaluate(predictors, heldout, encoder=buffer.encoder)
+    # each prediction beside its gold transition, to read where the model goes wrong
+    write_records(({"trajectory_id": t.trajectory_id, "step_index": t.step_index, "action": t.action,
+                    "next_state": t.next_state, "reward": t.reward, "done": t.done,
+                    "predicted": {"next_state": p.next_state, "reward": p.reward, "done": p.done,
+                                  "reasoning": p.reasoning, "fallback": p.fallback}}
+                   for t, p in zip(heldout, predictions, strict=True)), root / PREDICTIONS_FILE)
     metrics = {"transitions": len(heldout), "prediction": stats.as_dict(), **results}
     text = (fidelity.fidelity_report(results)
             + f"\n{len(heldout)} held-out transitions (tasks never seen in training or in the buffer). The experience "
               f"model ran with reasoning {fmt.use_reasoning} and retrieval {fmt.use_retrieval}; "
               f"{stats.fallbacks} of {stats.requests} predictions fell back after {inference.retries} retry(ies) "
-              f"(an unparsable reply becomes 'state unchanged, reward 0').\n")
+              f"(an unparsable reply becomes 'state unchanged, reward 0'). Each prediction beside its gold "
+              f"transition: `{PREDICTIONS_FILE}`.\n")
     write_stage_outputs("evaluate_experience_model", metrics, text, root)
     return metrics
 

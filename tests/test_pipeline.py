@@ -149,6 +149,8 @@ def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_
         overall = fidelity[predictor]["overall"]
         assert overall["n"] == 3 and 0 <= overall["token_f1"] <= 1 and 0 <= overall["reward_accuracy"] <= 1
     assert "copy nearest neighbour" in (onboarded / "reports" / "evaluate_experience_model.md").read_text()
+    lines = (onboarded / "reports" / "evaluate_experience_model_predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and {"action", "next_state", "predicted"} <= json.loads(lines[0]).keys()
 
 
 def _train_experience_model(project, model_dir, environment, **overrides):
