@@ -12,7 +12,10 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
-PYTEST_ARGS ?= -m "not slow and not gpu and not external"
+# Two workers: most tests wait on single-threaded subprocesses (dvc, dreamgym stages), so two keep two cores busy;
+# each worker starts its own Prefect and S3 servers, so more cost memory without gaining on a 2-core machine.
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(TEST_WORKERS) -m "not slow and not gpu and not external"
 
 .PHONY: run test setup system lock clean
 run: setup

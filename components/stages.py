@@ -14,13 +14,21 @@ from typing import Any
 
 from components.artifacts import open_artifact_store
 from components.config import Params
-from components.contract import Trajectory, is_heldout_task, read_trajectories, transitions, write_records
+from components.contract import (
+    Trajectory,
+    is_heldout_task,
+    read_trajectories,
+    transitions,
+    write_records,
+    write_trajectories,
+)
 from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
 log = logging.getLogger(__name__)
 PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # evaluate_experience_model's
+EPISODES_FILE = "reports/evaluate_policies_episodes.jsonl"  # evaluate_policies' episodes, to replay failures
 
 
 class StageError(RuntimeError):
@@ -552,7 +560,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                  for name in skipped}
     simulators = _synthetic_environments(params, root, _saved_buffer(params, root), skipped)[0] if skipped else []
     metrics: dict[str, Any] = {"skipped": skipped}
-    rows = []
+    rows, episodes = [], []
     for label, model_dir in candidates.items():
         model, tokenizer = sft.load_trained_model(model_dir)
         entry: dict[str, Any] = {}
@@ -565,6 +573,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                      workers=params.evaluate.workers, confidence=params.evaluate.confidence,
                                      name=label.replace(" ", "-"), max_steps=params.policy.max_turns)
             entry[name] = result.metrics()
+            episodes += result.trajectories
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([name, label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
@@ -577,6 +586,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                             max_action_tokens=params.policy.max_action_tokens,
                                             confidence=params.evaluate.confidence, name=label)
             entry[f"{env.name} (simulated)"] = result.metrics()
+            episodes += result.trajectories
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([f"{env.name} (in the experience model)", label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
@@ -593,10 +603,11 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
               f"(greedy, at most {params.policy.max_turns} turns); Wilson intervals. Next-action accuracy is "
               f"teacher-forced on {len(heldout)} held-out seed episodes. The synthetic RL policy saw {transitions} "
               f"synthetic transitions and no real ones beyond the seed; sim-to-real then used {real} real "
-              "transitions.\n"
+              f"transitions. Every episode, step by step: `{EPISODES_FILE}`.\n"
             + (f"\nNo real-environment adapter (seed-only domains): {', '.join(skipped)}. Their held-out seed tasks "
                "are played inside the experience model instead: that success is the simulator's verdict, a check "
                "of the policy against the learned dynamics, not of the application.\n" if skipped else ""))
+    write_trajectories(episodes, root / EPISODES_FILE)
     write_stage_outputs("evaluate_policies", metrics, text, root)
     return metrics
 

@@ -31,10 +31,10 @@ def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProces
     return result
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """A throwaway git + DVC checkout of the pipeline's files, so tests never touch the real repository."""
-    root = tmp_path / "project"
+@pytest.fixture(scope="session")
+def project_template(tmp_path_factory) -> Path:
+    """A git + DVC checkout of the pipeline's files, made once; tests get copies (`project`)."""
+    root = tmp_path_factory.mktemp("template") / "project"
     root.mkdir()
     for name in ("params.yaml", "dvc.yaml", "components", "flows", "examples"):
         source = REPO / name
@@ -44,6 +44,17 @@ def project(tmp_path: Path) -> Path:
     run("dvc", "init", "-q", cwd=root)
     run("dvc", "config", "core.analytics", "false", cwd=root)
     return root
+
+
+def copy_project(template: Path, tmp_path: Path) -> Path:
+    """A private copy of a template project (git and DVC state included: they hold relative paths only)."""
+    return Path(shutil.copytree(template, tmp_path / "project", symlinks=True))
+
+
+@pytest.fixture
+def project(project_template: Path, tmp_path: Path) -> Path:
+    """A throwaway git + DVC checkout of the pipeline's files, so tests never touch the real repository."""
+    return copy_project(project_template, tmp_path)
 
 
 def set_params(project: Path, overrides: dict) -> None:

@@ -5,14 +5,22 @@ import shutil
 
 import pytest
 
+from components.contract import read_trajectories
 from components.stages import STAGES
-from tests.conftest import SMALL_RUN, run, set_params, tiny_experience_model, tiny_policy
+from tests.conftest import SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
+
+
+@pytest.fixture(scope="module")
+def onboarded_template(project_template, tmp_path_factory):
+    """The demo seed onboarded once (Great Expectations takes ~10 s); tests get copies."""
+    root = copy_project(project_template, tmp_path_factory.mktemp("onboarded"))
+    run("dreamgym", "data", "onboard", "examples/seed/demo-kitchen.jsonl", cwd=root)
+    return root
 
 
 @pytest.fixture
-def onboarded(project):
-    run("dreamgym", "data", "onboard", "examples/seed/demo-kitchen.jsonl", cwd=project)
-    return project
+def onboarded(onboarded_template, tmp_path):
+    return copy_project(onboarded_template, tmp_path)
 
 
 def test_dvc_repro_runs_validate_then_is_up_to_date(onboarded):
@@ -193,6 +201,8 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
         assert simulated["episodes"] == 1 and 0 <= simulated["success_rate"] <= 1
     report = (onboarded / "reports" / "evaluate_policies.md").read_text()
     assert "next-action accuracy" in report and "demo-kitchen (in the experience model)" in report
+    episodes = read_trajectories(onboarded / "reports" / "evaluate_policies_episodes.jsonl")  # kept for replay
+    assert len(episodes) == 2 and all(e.steps and e.task.environment == "demo-kitchen" for e in episodes)
     assert "Running stage" not in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do
 
     set_params(onboarded, {"synthetic_rl.learning_rate": 2e-5})  # one param: only the stages downstream of it rerun
