@@ -6,6 +6,7 @@ is what ran. Unknown, missing or mistyped keys fail loudly with the dotted key a
 from __future__ import annotations
 
 import difflib
+import io
 import typing
 import zoneinfo
 from pathlib import Path
@@ -383,8 +384,10 @@ def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") ->
     tree = round_trip.load(params_path.read_text(encoding="utf-8"))
     for key, value in changed.items():
         set_dotted(tree, key, _flow(value))
-    with params_path.open("w", encoding="utf-8") as handle:
-        round_trip.dump(tree, handle)
+    text = io.StringIO()
+    round_trip.dump(tree, text)
+    # ruamel leaves a space at the end of each line where it wraps a long flow list
+    params_path.write_text("".join(line.rstrip() + "\n" for line in text.getvalue().splitlines()), encoding="utf-8")
     return changed
 
 

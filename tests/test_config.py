@@ -97,6 +97,7 @@ def test_profiles_switch_params_and_keep_comments(tmp_path, monkeypatch):
     assert load_params("params.yaml") == original
     kept = [line.split("#", 1)[1] for line in (tmp_path / "params.yaml").read_text().splitlines() if "#" in line]
     assert kept == [line.split("#", 1)[1] for line in comments]
+    assert not [line for line in (tmp_path / "params.yaml").read_text().splitlines() if line != line.rstrip()]
 
     with pytest.raises(ParamsError, match="no file"):
         use_profile("tpu")
