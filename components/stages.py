@@ -216,9 +216,9 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
                "train_loss": result.train_loss, "seconds": round(result.seconds, 1),
                "resumed": result.resumed_from is not None}
-    text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} annotated "
-            f"transitions of training tasks in {', '.join(settings.environments)}, rewarded or terminal ones "
-            f"{settings.outcome_repeats} times ({result.too_long} left out as "
+    text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} examples of "
+            f"annotated training-task transitions in {', '.join(settings.environments)}, rewarded or terminal ones "
+            f"repeated {settings.outcome_repeats} times ({result.too_long} left out as "
             f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, final training loss "
             f"{result.train_loss}, {result.seconds:.0f} s. Reasoning in the target: {fmt.use_reasoning}; retrieved "
             f"examples in the prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
