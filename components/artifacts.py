@@ -16,6 +16,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,13 @@ def _files_of(src: Path) -> list[tuple[str, Path]]:
     if src.is_dir():
         return sorted((p.relative_to(src).as_posix(), p) for p in src.rglob("*") if p.is_file())
     raise ArtifactError(f"cannot store {src}: no such file or directory")
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    run_id: str
+    stored_at: float  # when its newest artifact was stored (seconds since the epoch; 0 for manifests without a time)
+    artifacts: list[str]  # names of its complete artifacts
 
 
 class ArtifactStore(ABC):
@@ -172,9 +180,14 @@ class ArtifactStore(ABC):
         """Names of the complete artifacts of a run."""
         return sorted(self._manifests(run_id))
 
-    def stored_at(self, run_id: str) -> float:
-        """When the run's newest artifact was stored (seconds since the epoch; 0 for manifests without a time)."""
-        return max((manifest.get("stored_at", 0.0) for manifest in self._manifests(run_id).values()), default=0.0)
+    def stored_runs(self) -> list[StoredRun]:
+        """Every run, most recently stored first (runs stored before manifests had a time: last)."""
+        runs = []
+        for run_id in self.list_runs():
+            manifests = self._manifests(run_id)
+            newest = max((manifest.get("stored_at", 0.0) for manifest in manifests.values()), default=0.0)
+            runs.append(StoredRun(run_id, newest, sorted(manifests)))
+        return sorted(runs, key=lambda run: run.stored_at, reverse=True)
 
     def delete_run(self, run_id: str) -> None:
         """Remove every artifact of a run (manifests first, so no reader sees a half-deleted artifact)."""
@@ -190,8 +203,7 @@ class ArtifactStore(ABC):
         """
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least the newest run")
-        runs = sorted(self.list_runs(), key=self.stored_at, reverse=True)
-        old = runs[keep:]
+        old = [run.run_id for run in self.stored_runs()[keep:]]
         if not dry_run:
             for run_id in old:
                 self.delete_run(run_id)

@@ -144,12 +144,12 @@ def _artifacts(args: argparse.Namespace, params) -> int:
     try:
         store = open_artifact_store(params.storage)
         if args.action == "list":
-            stored = {run_id: store.stored_at(run_id) for run_id in store.list_runs()}
-            for run_id in sorted(stored, key=stored.get, reverse=True):
-                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored[run_id])) if stored[run_id] else (
+            runs = store.stored_runs()
+            for run in runs:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(run.stored_at)) if run.stored_at else (
                     "time unknown")  # stored before manifests recorded it; prune treats these as oldest
-                print(f"{run_id}  {when}  {', '.join(store.list_artifacts(run_id))}")
-            print(f"{len(stored)} runs in {store!r}")
+                print(f"{run.run_id}  {when}  {', '.join(run.artifacts)}")
+            print(f"{len(runs)} runs in {store!r}")
             return EXIT_OK
         removed = store.prune(args.keep, dry_run=args.dry_run)
     except (ArtifactError, ValueError) as error:

@@ -129,6 +129,9 @@ def test_prune_keeps_the_most_recently_stored_runs(store, model_dir, tmp_path):
         store.put(src, run_id, "metrics")
         store.put(model_dir, run_id, "model")
         time.sleep(0.01)
+    runs = store.stored_runs()
+    assert [run.run_id for run in runs] == ["run-b", "run-a", "run-c"]  # newest first
+    assert runs[0].artifacts == ["metrics", "model"] and runs[0].stored_at > runs[1].stored_at > runs[2].stored_at
     assert store.prune(keep=2, dry_run=True) == ["run-c"]
     assert store.list_runs() == ["run-a", "run-b", "run-c"]
     assert store.prune(keep=2) == ["run-c"]
@@ -139,7 +142,7 @@ def test_prune_keeps_the_most_recently_stored_runs(store, model_dir, tmp_path):
         store.prune(keep=0)
 
 
-def test_cli_lists_and_prunes_the_configured_store(tmp_path, monkeypatch):
+def test_cli_lists_and_prunes_the_configured_store(tmp_path, monkeypatch, capsys):
     from flows.cli import main
 
     store = LocalArtifactStore(tmp_path / "artifacts")
@@ -150,6 +153,9 @@ def test_cli_lists_and_prunes_the_configured_store(tmp_path, monkeypatch):
         time.sleep(0.01)
     monkeypatch.chdir(tmp_path)  # storage.local_dir (artifacts) is relative to the working directory
     params = Path(__file__).resolve().parents[1] / "params.yaml"
+    assert main(["--params", str(params), "artifacts", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].startswith("new  ") and listed[0].endswith("  metrics") and listed[1].startswith("old  ")
     assert main(["--params", str(params), "artifacts", "prune", "--keep", "1"]) == 0
     assert store.list_runs() == ["new"]
 
