@@ -109,6 +109,12 @@ def transitions(trajectory: Trajectory, history_length: int | None = None) -> It
                          step.next_state, step.reward, step.done, trajectory.source)
 
 
+def is_outcome(reward: float, done: bool) -> bool:
+    """A step that earns a reward or ends its episode: rare in seed data (2-3% of TextWorld steps), so training
+    repeats them and fidelity samples take them first."""
+    return reward != 0 or done
+
+
 def is_heldout_task(task_id: str, fraction: float) -> bool:
     """A stable split by task: the same task lands on the same side on every machine, run and data size."""
     return zlib.crc32(task_id.encode("utf-8")) % 10_000 < fraction * 10_000

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.annotation import AnnotatedTransition
-from components.contract import Task
+from components.contract import Task, is_outcome
 from components.replay_buffer import ReplayBuffer, Retrieved
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers, datasets) happen inside the functions that need them
@@ -248,7 +248,7 @@ def sft_examples(
             "trajectory_id": record.trajectory_id,
             "step_index": record.step_index,
         }
-        rows.extend([row] * (outcome_repeats if record.reward != 0 or record.done else 1))
+        rows.extend([row] * (outcome_repeats if is_outcome(record.reward, record.done) else 1))
     return Dataset.from_list(rows)
 
 

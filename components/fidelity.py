@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from components.contract import Trajectory, Transition, is_heldout_task, transitions
+from components.contract import Trajectory, Transition, is_heldout_task, is_outcome, transitions
 
 if TYPE_CHECKING:
     from components.experience_model import ExperienceModelBackend, PromptFormat
@@ -83,7 +83,7 @@ def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: i
     groups: dict[str, tuple[list[Transition], list[Transition]]] = defaultdict(lambda: ([], []))
     for t in transitions_:
         outcomes, ordinary = groups[t.task.environment]
-        (outcomes if t.reward != 0 or t.done else ordinary).append(t)
+        (outcomes if is_outcome(t.reward, t.done) else ordinary).append(t)
     sample = []
     for outcomes, ordinary in groups.values():
         chosen = outcomes[:per_environment // 2]
