@@ -12,18 +12,25 @@ of CPU per process). Generation runs in the same kind of child.
 Abstract state (compact text, the same layout every step):
 
     Goal: <objective>
-    Recipe:            <- only once the cookbook has been read; it scrolls out of the observation otherwise
+    Recipe:            <- from the first state: the recipe is the goal's specification (see below)
     <ingredients and directions>
     Room:              <- only with `describe_room=True`
     <room description>
     Observation:
     <game text without the ASCII-art banner, the objective and the status line>
     Inventory: <inventory text>
+
+The recipe is part of the task, as an ALFWorld goal ("put a clean apple in the fridge") is: every tw-cooking game
+says only "check the cookbook", and a simulator cannot know the recipe of a game it never saw, so without it a
+synthetic environment answers `examine cookbook` with nothing and the policy never learns what to cook. The
+adapter reads it from the compiled game's metadata (game.json) and keeps it in every state; reading the cookbook
+in the game still works and shows the same text.
 """
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import os
 import random
 import re
@@ -206,7 +213,7 @@ class TextWorldCooking(Environment):
         self._worker: _Worker | None = None
         self._loaded: Path | None = None
         self._walkthrough: tuple[str, ...] = ()
-        self._recipe = ""
+        self._recipe = ""  # the loaded game's
         self._admissible: tuple[str, ...] = ()
         self._last: dict[str, Any] = {}
         self._done = True
@@ -231,10 +238,9 @@ class TextWorldCooking(Environment):
             raise ValueError(f"task {task.task_id}: these parameters do not generate a game (use make_tasks)")
         if path != self._loaded:
             worker.call("load", (str(path), self.describe_room), STARTUP_TIMEOUT_S)
-            self._loaded = path
+            self._loaded, self._recipe = path, game_recipe(path)
         raw = worker.call("reset", None, max(self.step_timeout, 30.0))
         self._walkthrough = tuple(raw["walkthrough"])
-        self._recipe = ""
         self._done, self._started = False, True
         return self._observe(raw, _clean(raw["feedback"]))
 
@@ -266,14 +272,9 @@ class TextWorldCooking(Environment):
         return self._worker
 
     def _observe(self, raw: dict[str, Any], text: str) -> Observation:
-        recipe = _recipe(text)
-        if recipe:
-            self._recipe = recipe
         self._admissible = tuple(sorted(raw["admissible_commands"] or ()))
         self._last = raw
-        sections = [f"Goal: {OBJECTIVE}"]
-        if self._recipe:
-            sections.append(f"Recipe:\n{self._recipe}")
+        sections = [f"Goal: {OBJECTIVE}", f"Recipe:\n{self._recipe}"]
         if self.describe_room and raw.get("description"):
             sections.append(f"Room:\n{_clean(raw['description'])}")
         sections.append(f"Observation:\n{text}")
@@ -348,12 +349,13 @@ def _clean(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(kept)).strip()
 
 
-def _recipe(text: str) -> str:
-    """The cookbook's ingredients and directions when `text` shows the cookbook being read, else ""."""
-    if "Recipe #" not in text:
-        return ""
-    match = _RECIPE.search(text)
-    return match.group(0).strip() if match else ""
+def game_recipe(game_file: Path) -> str:
+    """The recipe of a compiled game (its ingredients and directions), as reading its cookbook shows it."""
+    metadata = json.loads(game_file.with_name("game.json").read_text(encoding="utf-8")).get("metadata", {})
+    match = _RECIPE.search(_clean(metadata.get("recipe", "")))
+    if not match:
+        raise ValueError(f"{game_file}: no recipe in the game's metadata; delete this cache entry to regenerate it")
+    return match.group(0).strip()
 
 
 # ---------------------------------------------------------------------------------------------- child process
