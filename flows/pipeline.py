@@ -87,9 +87,30 @@ def push() -> str | None:
                        "(`dvc remote add -d NAME URL`, or `dvc remote default NAME`, then `dvc push`)",
                        f" (remotes: {', '.join(names)})" if names else " is configured")
         return None
+    if reason := _cannot_push(remote):
+        logger.warning("nothing pushed to the DVC remote %r: %s; outputs stay in the local DVC cache", remote, reason)
+        return None
     run_logged(["dvc", "push", "--remote", remote])
     logger.info("pushed every DVC output to the remote %r", remote)
     return remote
+
+
+def _cannot_push(remote: str) -> str | None:
+    """Why pushing to `remote` could only fail, else None: an S3 remote with no credentials anywhere (DVC's config
+    or boto3's search: environment, ~/.aws, instance role), e.g. the repository's default remote when the local
+    store (infra/s3/start.sh) is not running."""
+    def config(key: str) -> str:
+        return subprocess.run(["dvc", "config", f"remote.{remote}.{key}"], capture_output=True, text=True,
+                              env=_env()).stdout.strip()
+    url = config("url")
+    if not url.startswith("s3://") or any(config(key) for key in ("access_key_id", "profile", "credentialpath")):
+        return None
+    import boto3  # noqa: PLC0415 - only this check needs it
+
+    if boto3.Session().get_credentials() is None:
+        return (f"no AWS credentials for {url} (start infra/s3/start.sh, or export AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY), then run `dvc push`")
+    return None
 
 
 def _stage_flow(stage: str):

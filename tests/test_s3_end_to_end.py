@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import uuid
 
 import pytest
@@ -89,7 +90,8 @@ def test_stage_outputs_stored_pushed_and_rebuilt_in_a_fresh_clone(project, s3_se
 
 
 def test_pipeline_flow_completes_when_the_dvc_remote_cannot_be_reached(project, monkeypatch, prefect_server):
-    """A configured remote that is down (no store, no credentials) fails the push task, not the pipeline run."""
+    """A configured remote without credentials is skipped with a reason; one that is down (credentials, no store)
+    fails the push task, not the pipeline run."""
     from flows import pipeline
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
@@ -102,5 +104,17 @@ def test_pipeline_flow_completes_when_the_dvc_remote_cannot_be_reached(project, 
     monkeypatch.setattr(pipeline, "STAGE_FLOWS", {})  # the push at the end is what this test is about
     monkeypatch.setattr(pipeline, "push", pipeline.push.with_options(retries=0))
     monkeypatch.chdir(project)
+    assert "no AWS credentials for s3://dreamgym/dvc" in pipeline._cannot_push("storage")
+    state = pipeline.pipeline_flow(return_state=True)
+    assert state.is_completed() and state.result()["dvc_push"] is None
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore would retry a refused connection for ~10 s
+    assert pipeline._cannot_push("storage") is None
     state = pipeline.pipeline_flow(return_state=True)
     assert state.is_completed() and state.result()["dvc_push"] == "failed"
