@@ -592,18 +592,23 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
         metrics[label.replace(" ", "_")] = entry
+    # What the RL policies saw, said only of the policies evaluated (a run may point their out_dirs elsewhere).
+    provenance = ""
     rl_metrics, s2r_metrics = metrics_path("synthetic_rl", root), metrics_path("sim_to_real", root)
-    transitions = json.loads(rl_metrics.read_text())["synthetic_transitions"] if rl_metrics.exists() else "n/a"
-    real = json.loads(s2r_metrics.read_text())["real_transitions_used"] if s2r_metrics.exists() else 0
+    if f"synthetic {params.synthetic_rl.algorithm}" in candidates and rl_metrics.exists():
+        provenance += (f" The synthetic RL policy saw {json.loads(rl_metrics.read_text())['synthetic_transitions']} "
+                       "synthetic transitions and no real ones beyond the seed.")
+    if "sim-to-real" in candidates and s2r_metrics.exists():
+        provenance += (f" Sim-to-real then used {json.loads(s2r_metrics.read_text())['real_transitions_used']} "
+                       "real transitions.")
     confidence = params.evaluate.confidence
     text = ("# Policies on held-out tasks\n\n"
             + markdown_table(["environment", "policy", "episodes", f"success [{confidence:.0%} CI]",
                               "next-action accuracy", "mean steps", "wall time (s)"], rows)
             + f"\nClosed loop: each policy plays {params.policy.eval_tasks} held-out real tasks per environment once "
               f"(greedy, at most {params.policy.max_turns} turns); Wilson intervals. Next-action accuracy is "
-              f"teacher-forced on {len(heldout)} held-out seed episodes. The synthetic RL policy saw {transitions} "
-              f"synthetic transitions and no real ones beyond the seed; sim-to-real then used {real} real "
-              f"transitions. Every episode, step by step: `{EPISODES_FILE}`.\n"
+              f"teacher-forced on {len(heldout)} held-out seed episodes.{provenance} Every episode, step by step: "
+              f"`{EPISODES_FILE}`.\n"
             + (f"\nNo real-environment adapter (seed-only domains): {', '.join(skipped)}. Their held-out seed tasks "
                "are played inside the experience model instead: that success is the simulator's verdict, a check "
                "of the policy against the learned dynamics, not of the application.\n" if skipped else ""))
