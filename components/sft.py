@@ -262,6 +262,12 @@ def _progress_log() -> Any:
     return ProgressLog()
 
 
+def has_trained_model(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds what load_trained_model loads: a plain model or a LoRA adapter (e.g. an RL
+    checkpoint, which can then be evaluated like a finished policy)."""
+    return any((Path(model_dir) / name).is_file() for name in ("config.json", "adapter_config.json"))
+
+
 def load_trained_model(
     model_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32", device: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

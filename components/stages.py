@@ -548,7 +548,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
                   f"synthetic {params.synthetic_rl.algorithm}": root / params.synthetic_rl.out_dir / "model",
                   "sim-to-real": root / params.sim_to_real.out_dir / "model"}
-    candidates = {label: path for label, path in candidates.items() if (path / "config.json").is_file()}
+    candidates = {label: path for label, path in candidates.items() if sft.has_trained_model(path)}
     heldout = _heldout_demonstrations(params, root)
     environments = [name for name in params.policy.environments if has_adapter(name)]
     skipped = [name for name in params.policy.environments if not has_adapter(name)]

@@ -38,7 +38,14 @@ from components.experience_model import (
 )
 from components.models import build_tiny_causal_lm
 from components.replay_buffer import FaissReplayBuffer, Retrieved
-from components.sft import LoraSettings, TrainingSettings, _lora_targets, load_trained_model, train_sft
+from components.sft import (
+    LoraSettings,
+    TrainingSettings,
+    _lora_targets,
+    has_trained_model,
+    load_trained_model,
+    train_sft,
+)
 from tests.hashing_encoder import HashingEncoder
 
 TASK = Task("tw-r1-s1", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")
@@ -397,6 +404,9 @@ def test_one_lora_sft_step_writes_a_model_that_reloads(tiny: Path, tmp_path: Pat
     assert not (result.model_dir / "adapter_config.json").exists()  # merged into a plain model
     [reply] = HFGenerationBackend(model, tokenizer).generate([dataset[0]["prompt"]], max_new_tokens=4)
     assert isinstance(reply, str)
+    checkpoint = tmp_path / "exp" / "checkpoints" / "checkpoint-1"  # a LoRA adapter: loads and evaluates too
+    assert has_trained_model(checkpoint) and has_trained_model(result.model_dir) and not has_trained_model(tmp_path)
+    load_trained_model(checkpoint)
 
     # Same data and settings: resumes from checkpoint-1 (already at max_steps, so no further step).
     again = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
