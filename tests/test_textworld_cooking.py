@@ -24,6 +24,7 @@ from components.environments.textworld_cooking import (  # noqa: E402
     expert_policy,
     make_task,
     make_tasks,
+    malformed,
     noisy_expert_policy,
     random_policy,
 )
@@ -142,6 +143,20 @@ def test_random_policy_rarely_wins(env: TextWorldCooking, heldout: list) -> None
     for trajectory in trajectories:
         check_contract(trajectory)
     assert sum(t.success for t in trajectories) <= 1
+    # About a quarter of its commands are malformed: the real game's answer to nonsense, never a reward.
+    steps = [step for trajectory in trajectories for step in trajectory.steps]
+    malformed_steps = [step for step in steps if not step.info["valid_action"]]
+    assert 0.1 < len(malformed_steps) / len(steps) < 0.4
+    assert all(step.reward == 0 and not step.done for step in malformed_steps)
+
+
+def test_malformed_commands_keep_the_words_and_letters() -> None:
+    rng = random.Random(0)
+    for action in ("take knife from counter", "inventory", "cook red apple with oven"):
+        for _ in range(20):
+            changed = malformed(action, rng)
+            assert sorted(changed.replace(" ", "")) == sorted(action.replace(" ", ""))
+            assert len(changed.split()) == len(action.split())
 
 
 def test_noisy_expert_stays_on_the_walkthrough_without_noise(env: TextWorldCooking, heldout: list) -> None:

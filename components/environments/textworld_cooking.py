@@ -326,11 +326,31 @@ def noisy_expert_policy(env: TextWorldCooking, epsilon: float, rng: random.Rando
     return act
 
 
-def random_policy(rng: random.Random) -> Policy:
-    """A uniformly random admissible command."""
+def random_policy(rng: random.Random, malformed_share: float = 0.25) -> Policy:
+    """A uniformly random admissible command, or with probability `malformed_share` a malformed one.
+
+    Malformed commands (a word of an admissible command with its letters shuffled, or two of its words swapped)
+    put the game's answer to nonsense in the seed data: an RL policy sampling at temperature 1 writes such
+    actions, and an experience model that never saw one may reward them (it did: `chowinethome` "won" a game).
+    """
     def act(task: Task, observation: Observation, history: Sequence[tuple[str, str]]) -> str:
-        return rng.choice(observation.valid_actions or ("look",))
+        action = rng.choice(observation.valid_actions or ("look",))
+        return malformed(action, rng) if rng.random() < malformed_share else action
     return act
+
+
+def malformed(action: str, rng: random.Random) -> str:
+    """`action` with two words swapped or, for a one-word command or by chance, one word's letters shuffled."""
+    words = action.split()
+    if len(words) > 1 and rng.random() < 0.5:
+        i, j = rng.sample(range(len(words)), 2)
+        words[i], words[j] = words[j], words[i]
+    else:
+        i = rng.randrange(len(words))
+        letters = list(words[i])
+        rng.shuffle(letters)
+        words[i] = "".join(letters)
+    return " ".join(words)
 
 
 # ---------------------------------------------------------------------------------------------- text cleaning
