@@ -78,16 +78,15 @@ def push() -> str | None:
     """`dvc push` every DVC-tracked output (data and all stages' cached outs) to the default remote; return its
     name, or None, with a log line saying so, when no default remote is configured."""
     logger = get_run_logger()
-    default = subprocess.run(["dvc", "remote", "default"], capture_output=True, text=True, env=_env())
-    remote = default.stdout.strip() if default.returncode == 0 else ""
+    config = _dvc_config()
+    remote = config.get("core.remote", "")
     if not remote:
-        listed = subprocess.run(["dvc", "remote", "list"], capture_output=True, text=True, env=_env()).stdout
-        names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+        names = sorted({key[len("remote."):].rsplit(".", 1)[0] for key in config if key.startswith("remote.")})
         logger.warning("no default DVC remote%s: outputs stay in the local DVC cache only, nothing pushed "
                        "(`dvc remote add -d NAME URL`, or `dvc remote default NAME`, then `dvc push`)",
                        f" (remotes: {', '.join(names)})" if names else " is configured")
         return None
-    if reason := _cannot_push(remote):
+    if reason := _cannot_push(remote, config):
         logger.warning("nothing pushed to the DVC remote %r: %s; outputs stay in the local DVC cache", remote, reason)
         return None
     run_logged(["dvc", "push", "--remote", remote])
@@ -95,15 +94,19 @@ def push() -> str | None:
     return remote
 
 
-def _cannot_push(remote: str) -> str | None:
+def _dvc_config() -> dict[str, str]:
+    """DVC's configuration, every level merged (repository, local, global, system), as `section.key` -> value."""
+    listed = subprocess.run(["dvc", "config", "--list"], capture_output=True, text=True, env=_env()).stdout
+    return dict(line.split("=", 1) for line in listed.splitlines() if "=" in line)
+
+
+def _cannot_push(remote: str, config: dict[str, str]) -> str | None:
     """Why pushing to `remote` could only fail, else None: an S3 remote with no credentials anywhere (DVC's config
     or boto3's search: environment, ~/.aws, instance role), e.g. the repository's default remote when the local
     store (infra/s3/start.sh) is not running."""
-    def config(key: str) -> str:
-        return subprocess.run(["dvc", "config", f"remote.{remote}.{key}"], capture_output=True, text=True,
-                              env=_env()).stdout.strip()
-    url = config("url")
-    if not url.startswith("s3://") or any(config(key) for key in ("access_key_id", "profile", "credentialpath")):
+    url = config.get(f"remote.{remote}.url", "")
+    if not url.startswith("s3://") or any(config.get(f"remote.{remote}.{key}")
+                                          for key in ("access_key_id", "profile", "credentialpath")):
         return None
     import boto3  # noqa: PLC0415 - only this check needs it
 
