@@ -545,8 +545,9 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     from components.rollouts import SyntheticBatch
 
     root, fmt = Path(root), _policy_format(params)
+    rl_label = f"synthetic {params.synthetic_rl.algorithm}"
     candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
-                  f"synthetic {params.synthetic_rl.algorithm}": root / params.synthetic_rl.out_dir / "model",
+                  rl_label: root / params.synthetic_rl.out_dir / "model",
                   "sim-to-real": root / params.sim_to_real.out_dir / "model"}
     candidates = {label: path for label, path in candidates.items() if sft.has_trained_model(path)}
     heldout = _heldout_demonstrations(params, root)
@@ -595,7 +596,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     # What the RL policies saw, said only of the policies evaluated (a run may point their out_dirs elsewhere).
     provenance = ""
     rl_metrics, s2r_metrics = metrics_path("synthetic_rl", root), metrics_path("sim_to_real", root)
-    if f"synthetic {params.synthetic_rl.algorithm}" in candidates and rl_metrics.exists():
+    if rl_label in candidates and rl_metrics.exists():
         provenance += (f" The synthetic RL policy saw {json.loads(rl_metrics.read_text())['synthetic_transitions']} "
                        "synthetic transitions and no real ones beyond the seed.")
     if "sim-to-real" in candidates and s2r_metrics.exists():
