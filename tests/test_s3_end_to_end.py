@@ -12,7 +12,7 @@ import pytest
 
 from components.artifacts import open_artifact_store, sha256_file
 from components.config import load_params
-from components.stages import publish
+from components.stages import PREDICTIONS_FILE, publish
 from tests.conftest import REPO, run, set_params, tiny_experience_model
 
 # onboarded data -> annotate -> index_buffer -> train_experience_model -> evaluate_experience_model (the report)
@@ -45,6 +45,7 @@ def test_stage_outputs_stored_pushed_and_rebuilt_in_a_fresh_clone(project, s3_se
     assert set(store.list_artifacts("run-e2e")) == {
         *(f"{stage}-{kind}" for stage in STAGES for kind in ("metrics", "report")),
         "annotate-annotated", "index_buffer-buffer", "train_experience_model-models-experience-model",
+        f"evaluate_experience_model-{PREDICTIONS_FILE.replace('/', '-')}",
     }
     model = project / "models" / "experience" / "model"
     stored = store.manifest("run-e2e", "train_experience_model-models-experience-model")
@@ -104,7 +105,7 @@ def test_pipeline_flow_completes_when_the_dvc_remote_cannot_be_reached(project, 
     monkeypatch.setattr(pipeline, "STAGE_FLOWS", {})  # the push at the end is what this test is about
     monkeypatch.setattr(pipeline, "push", pipeline.push.with_options(retries=0))
     monkeypatch.chdir(project)
-    assert "no AWS credentials for s3://dreamgym/dvc" in pipeline._cannot_push("storage")
+    assert "no AWS credentials for s3://dreamgym/dvc" in pipeline._cannot_push("storage", pipeline._dvc_config())
     state = pipeline.pipeline_flow(return_state=True)
     assert state.is_completed() and state.result()["dvc_push"] is None
 
@@ -115,6 +116,6 @@ def test_pipeline_flow_completes_when_the_dvc_remote_cannot_be_reached(project, 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore would retry a refused connection for ~10 s
-    assert pipeline._cannot_push("storage") is None
+    assert pipeline._cannot_push("storage", pipeline._dvc_config()) is None
     state = pipeline.pipeline_flow(return_state=True)
     assert state.is_completed() and state.result()["dvc_push"] == "failed"
