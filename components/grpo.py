@@ -25,10 +25,17 @@ from typing import Any
 
 from components.curriculum import Curriculum
 from components.experience_model import ExperienceModelBackend
-from components.files import atomic_directory
 from components.policy import PolicyFormat
 from components.replay_buffer import ReplayBuffer
-from components.rl import RLResult, RLSettings, iteration_record, play_iteration, save_sidecars, start_run
+from components.rl import (
+    RLResult,
+    RLSettings,
+    iteration_record,
+    play_iteration,
+    save_sidecars,
+    save_trained_policy,
+    start_run,
+)
 from components.rollouts import EpisodeBatch, RolloutStats
 from components.sft import lora_config
 
@@ -153,9 +160,6 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
 
     trained = trainer.model.merge_and_unload() if peft_config is not None else trainer.model
-    model_dir = out_dir / "model"
-    with atomic_directory(model_dir, replace=True) as tmp:
-        trained.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    model_dir = save_trained_policy(trained, tokenizer, out_dir, rows)
     return RLResult(model_dir, trainer.state.global_step, str(resume) if resume else None, rows,
                     time.monotonic() - started)

@@ -36,7 +36,15 @@ from components.experience_model import ExperienceModelBackend
 from components.files import atomic_directory
 from components.policy import PolicyFormat
 from components.replay_buffer import ReplayBuffer
-from components.rl import RLResult, RLSettings, iteration_record, play_iteration, save_sidecars, start_run
+from components.rl import (
+    RLResult,
+    RLSettings,
+    iteration_record,
+    play_iteration,
+    save_sidecars,
+    save_trained_policy,
+    start_run,
+)
 from components.rollouts import Episode, EpisodeBatch
 
 if TYPE_CHECKING:  # torch and transformers take seconds to import: only the functions that need them do
@@ -420,9 +428,6 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
             prune_checkpoints(checkpoints, settings.save_total_limit)
 
     trained = model.merge_and_unload() if settings.lora is not None else model
-    model_dir = out_dir / "model"
-    with atomic_directory(model_dir, replace=True) as tmp:
-        trained.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    model_dir = save_trained_policy(trained, tokenizer, out_dir, rows)
     return RLResult(model_dir, settings.iterations, str(resume) if resume else None, rows,
                     time.monotonic() - started)

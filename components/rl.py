@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from components.contract import Task
 from components.environments.synthetic import add_to_buffer
+from components.files import atomic_directory
 from components.replay_buffer import ReplayBuffer, load_replay_buffer
 from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.sft import LoraSettings
@@ -154,6 +155,26 @@ def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[
     tmp.rename(checkpoint / LOG_FILE)
 
 
+def read_iteration_log(model_dir: str | Path) -> list[dict[str, Any]] | None:
+    """The iteration log saved with an RL policy (a checkpoint or the final model); None for a policy saved without
+    one (a warm start, or a model trained before final models carried their log)."""
+    path = Path(model_dir) / LOG_FILE
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def save_trained_policy(model: Any, tokenizer: Any, out_dir: Path, log: list[dict[str, Any]]) -> Path:
+    """The trained policy (LoRA merged) at out_dir/model, replacing any earlier one atomically, with its iteration
+    log beside it: whoever evaluates the model later can say what it was trained on, wherever it was moved."""
+    model_dir = out_dir / "model"
+    with atomic_directory(model_dir, replace=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / LOG_FILE).write_text("".join(json.dumps(row) + "\n" for row in log), encoding="utf-8")
+    return model_dir
+
+
 def sidecars_complete(checkpoint: Path, with_buffer: bool) -> bool:
     return (checkpoint / LOG_FILE).is_file() and (not with_buffer or (checkpoint / BUFFER_DIR).is_dir())
 
@@ -166,7 +187,7 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Cur
     checkpoint's synthetic transitions added with their stored vectors; a server-side (Weaviate) buffer already
     holds them.
     """
-    log = [json.loads(line) for line in (checkpoint / LOG_FILE).read_text(encoding="utf-8").splitlines() if line]
+    log = read_iteration_log(checkpoint) or []
     if buffer is not None and buffer.backend == "embedded":
         saved = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
         records, vectors = saved.export(source="synthetic")

@@ -4,7 +4,6 @@ DVC (`dreamgym stage NAME`) and Prefect (`flows/`) call these same functions, so
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -542,6 +541,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     from components.environments.synthetic import first_state_tasks
     from components.evaluation import evaluate_in_simulation, evaluate_policy, format_success
     from components.experience_model import HFGenerationBackend
+    from components.rl import read_iteration_log
     from components.rollouts import SyntheticBatch
 
     root, fmt = Path(root), _policy_format(params)
@@ -593,15 +593,17 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
         metrics[label.replace(" ", "_")] = entry
-    # What the RL policies saw, said only of the policies evaluated (a run may point their out_dirs elsewhere).
+    # What the RL policies saw, read from the iteration log saved with each model (a checkpoint's too), so it is
+    # that model's history even when a study points the out_dirs at another run's.
     provenance = ""
-    rl_metrics, s2r_metrics = metrics_path("synthetic_rl", root), metrics_path("sim_to_real", root)
-    if rl_label in candidates and rl_metrics.exists():
-        provenance += (f" The synthetic RL policy saw {json.loads(rl_metrics.read_text())['synthetic_transitions']} "
-                       "synthetic transitions and no real ones beyond the seed.")
-    if "sim-to-real" in candidates and s2r_metrics.exists():
-        provenance += (f" Sim-to-real then used {json.loads(s2r_metrics.read_text())['real_transitions_used']} "
-                       "real transitions.")
+    rl_log = read_iteration_log(candidates[rl_label]) if rl_label in candidates else None
+    if rl_log:
+        provenance += (f" The synthetic RL policy ({len(rl_log)} iterations) saw "
+                       f"{sum(row['synthetic_transitions'] for row in rl_log)} synthetic transitions and no real ones "
+                       "beyond the seed.")
+    s2r_log = read_iteration_log(candidates["sim-to-real"]) if "sim-to-real" in candidates else None
+    if s2r_log:
+        provenance += f" Sim-to-real then used {sum(row['env_transitions'] for row in s2r_log)} real transitions."
     confidence = params.evaluate.confidence
     text = ("# Policies on held-out tasks\n\n"
             + markdown_table(["environment", "policy", "episodes", f"success [{confidence:.0%} CI]",

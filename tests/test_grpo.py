@@ -15,7 +15,7 @@ from components.grpo import train_grpo
 from components.models import build_tiny_causal_lm, load_causal_lm
 from components.policy import PolicyFormat
 from components.replay_buffer import FaissReplayBuffer
-from components.rl import CURRICULUM_FILE, LOG_FILE, RLSettings
+from components.rl import CURRICULUM_FILE, LOG_FILE, RLSettings, read_iteration_log
 from components.rollouts import SyntheticBatch
 from components.sft import LoraSettings
 from tests.hashing_encoder import HashingEncoder
@@ -57,6 +57,7 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
     assert len(buffer) == buffer.count(source="synthetic") == round(turns)
     assert result.log[-1]["buffer_size"] == len(buffer)
     model, _ = load_causal_lm(str(result.model_dir), cache_dir=tmp_path)  # the merged policy loads
+    assert read_iteration_log(result.model_dir) == json.loads(json.dumps(result.log))  # its history travels with it
     checkpoint = tmp_path / "rl" / "checkpoints" / "checkpoint-2"
     assert (checkpoint / "replay_buffer" / "buffer.json").is_file()
     assert len((checkpoint / LOG_FILE).read_text().splitlines()) == 2

@@ -201,7 +201,9 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
         assert simulated["episodes"] == 1 and 0 <= simulated["success_rate"] <= 1
     report = (onboarded / "reports" / "evaluate_policies.md").read_text()
     assert "next-action accuracy" in report and "demo-kitchen (in the experience model)" in report
-    assert "The synthetic RL policy saw" in report and "Sim-to-real" not in report  # only what was evaluated
+    # what the RL policy saw, from the log saved with it; only of the policies evaluated
+    assert (f"The synthetic RL policy ({rl['iterations']} iterations) saw {rl['synthetic_transitions']} synthetic "
+            "transitions") in report and "Sim-to-real" not in report
     episodes = read_trajectories(onboarded / "reports" / "evaluate_policies_episodes.jsonl")  # kept for replay
     assert len(episodes) == 2 and all(e.steps and e.task.environment == "demo-kitchen" for e in episodes)
     assert "Running stage" not in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do

@@ -17,7 +17,7 @@ from components.models import build_tiny_causal_lm, load_causal_lm
 from components.policy import PolicyFormat
 from components.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
 from components.replay_buffer import FaissReplayBuffer
-from components.rl import LOG_FILE, RLSettings
+from components.rl import LOG_FILE, RLSettings, read_iteration_log
 from components.rollouts import Episode, SyntheticBatch
 from components.sft import LoraSettings
 from tests.hashing_encoder import HashingEncoder
@@ -164,6 +164,7 @@ def test_ppo_trains_logs_iterations_writes_back_and_checkpoints(first_run):
 
     model, _ = load_causal_lm(str(result.model_dir), cache_dir=out_dir.parent)  # the merged policy loads
     assert not any("lora" in name for name, _ in model.named_parameters())
+    assert [row["iteration"] for row in read_iteration_log(result.model_dir)] == [1, 2]  # its history travels with it
     checkpoints = out_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     checkpoint = checkpoints / "checkpoint-2"
