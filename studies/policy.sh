@@ -26,16 +26,7 @@ study=(
 )
 mkdir -p "$results"
 
-step() {  # step NAME STAGE [--set ...]: one step of the study, skipped once done; its log in $results/NAME.log
-  local name=$1 stage=$2 start=$SECONDS
-  shift 2
-  if [ -f "$results/$name.seconds" ]; then echo "== $name: done before, skipped"; return; fi
-  echo "== $name (log: $results/$name.log)"
-  dreamgym "${study[@]}" "$@" stage "$stage" > "$results/$name.log" 2>&1
-  echo $((SECONDS - start)) > "$results/$name.seconds"
-  cp "metrics/$stage.json" "$results/$name.json"
-  cp "reports/$stage.md" "$results/$name.md"
-}
+source "$(dirname "$0")/step.sh"
 
 step train_policy_sft train_policy_sft
 # Evaluating the warm start and training RL need nothing of each other: one core each. evaluate_policies scores

@@ -16,22 +16,13 @@ results=${2:-reports/studies/policy/gpu}
 # One H100 (reports/studies/policy/gpu_h100/): experience-model SFT 0.7 s/step; GRPO ~430 s per iteration, 94% of
 # it the experience model's replies (HF generate, 512 tokens, ~29 s per turn for 64 episodes: a turn costs about
 # the same for 4 episodes or 64, so batch wide).
-inference=(
+study=(
   --set experience_model.inference.max_new_tokens=512 --set experience_model.inference.retries=1
   --set experience_model.inference.batch_size=64
 )
 mkdir -p "$results"
 
-step() {  # step NAME STAGE [--set ...]: one step of the study, skipped once done; its log in $results/NAME.log
-  local name=$1 stage=$2 start=$SECONDS
-  shift 2
-  if [ -f "$results/$name.seconds" ]; then echo "== $name: done before, skipped"; return; fi
-  echo "== $name (log: $results/$name.log)"
-  dreamgym "${inference[@]}" "$@" stage "$stage" > "$results/$name.log" 2>&1
-  echo $((SECONDS - start)) > "$results/$name.seconds"
-  cp "metrics/$stage.json" "$results/$name.json"
-  cp "reports/$stage.md" "$results/$name.md"
-}
+source "$(dirname "$0")/step.sh"
 
 # 60 steps of 16 examples: about half an epoch of the seed's transitions (outcomes repeated).
 step train_experience_model train_experience_model \
