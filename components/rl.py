@@ -150,9 +150,14 @@ def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[
     if buffer is not None:
         buffer.save(checkpoint / BUFFER_DIR)
     (checkpoint / CURRICULUM_FILE).write_text(json.dumps(curriculum.state_dict()), encoding="utf-8")
-    tmp = checkpoint / f".{LOG_FILE}.partial"
+    write_iteration_log(checkpoint, log)
+
+
+def write_iteration_log(directory: Path, log: list[dict[str, Any]]) -> None:
+    """The iteration log (one JSON object per line) into `directory`, atomically: a present log is a whole one."""
+    tmp = directory / f".{LOG_FILE}.partial"
     tmp.write_text("".join(json.dumps(row) + "\n" for row in log), encoding="utf-8")
-    tmp.rename(checkpoint / LOG_FILE)
+    tmp.rename(directory / LOG_FILE)
 
 
 def read_iteration_log(model_dir: str | Path) -> list[dict[str, Any]] | None:
@@ -171,7 +176,7 @@ def save_trained_policy(model: Any, tokenizer: Any, out_dir: Path, log: list[dic
     with atomic_directory(model_dir, replace=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / LOG_FILE).write_text("".join(json.dumps(row) + "\n" for row in log), encoding="utf-8")
+        write_iteration_log(tmp, log)
     return model_dir
 
 

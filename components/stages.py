@@ -596,13 +596,12 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     # What the RL policies saw, read from the iteration log saved with each model (a checkpoint's too), so it is
     # that model's history even when a study points the out_dirs at another run's.
     provenance = ""
-    rl_log = read_iteration_log(candidates[rl_label]) if rl_label in candidates else None
-    if rl_log:
+    logs = {label: read_iteration_log(model_dir) for label, model_dir in candidates.items()}
+    if rl_log := logs.get(rl_label):
         provenance += (f" The synthetic RL policy ({len(rl_log)} iterations) saw "
                        f"{sum(row['synthetic_transitions'] for row in rl_log)} synthetic transitions and no real ones "
                        "beyond the seed.")
-    s2r_log = read_iteration_log(candidates["sim-to-real"]) if "sim-to-real" in candidates else None
-    if s2r_log:
+    if s2r_log := logs.get("sim-to-real"):
         provenance += f" Sim-to-real then used {sum(row['env_transitions'] for row in s2r_log)} real transitions."
     confidence = params.evaluate.confidence
     text = ("# Policies on held-out tasks\n\n"
