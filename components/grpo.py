@@ -37,7 +37,7 @@ from components.rl import (
     start_run,
 )
 from components.rollouts import EpisodeBatch, RolloutStats
-from components.sft import lora_config
+from components.sft import load_trained_model, lora_config
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.x
@@ -104,6 +104,13 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
                          f"of micro_batch_size ({settings.micro_batch_size})")
     out_dir = Path(out_dir)
     checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir)
+    if resume is not None and len(rows) >= settings.iterations:
+        # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
+        # after one, and for sim-to-real that step spends real transitions beyond the budget.
+        trained, tokenizer = load_trained_model(resume)
+        if settings.lora is not None:
+            trained = trained.merge_and_unload()
+        return RLResult(save_trained_policy(trained, tokenizer, out_dir, rows), len(rows), str(resume), rows, 0.0)
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
     # TRL needs a dataset to sample from; its rows only name base tasks, and rollout_func plays the curriculum's.

@@ -76,6 +76,21 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
     assert longer.log[:2] == again.log
 
 
+def test_grpo_rerun_of_a_finished_run_trains_nothing_even_mid_epoch(policy_dir, tmp_path):
+    # 10 tasks, 2 per iteration: one iteration is a fifth of an epoch of TRL's sampler, so a resume lands
+    # mid-epoch, where Trainer.train takes a step before it tests max_steps (sim-to-real overspent its budget so).
+    tasks = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"Kitchen {i}."}) for i in range(10)]
+    one = replace(SETTINGS, iterations=1)
+    first = train_grpo(str(policy_dir), Curriculum(tasks, CurriculumSettings(enabled=False)), _batch, None,
+                       PolicyFormat(), one, tmp_path / "rl", cache_dir=tmp_path)
+    again = train_grpo(str(policy_dir), Curriculum(tasks, CurriculumSettings(enabled=False)), _batch, None,
+                       PolicyFormat(), one, tmp_path / "rl", cache_dir=tmp_path)
+    assert again.resumed_from and again.iterations == 1 and again.log == json.loads(json.dumps(first.log))
+    assert read_iteration_log(again.model_dir) == again.log
+    assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-1"]
+    load_causal_lm(str(again.model_dir), cache_dir=tmp_path)  # the final policy, rebuilt from the checkpoint
+
+
 def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_path):
     # min_variance 0: every played task may be varied, so the wiring is tested whatever the tiny policy earns
     settings = CurriculumSettings(top_tasks=1, max_generated_share=0.5, min_variance=0.0)
