@@ -288,6 +288,7 @@ class StudyParams(Section):
     algorithms: list[Literal["grpo", "ppo"]] = Field(min_length=1)
     real_budget: int = Field(gt=0, description="B: real transitions of the real-environment RL baseline")
     s2r_share: float = Field(ge=0, le=1, description="DreamGym-S2R's real budget as a share of B (paper: 0.1)")
+    variants: list[str] = Field(default_factory=list, description="the variants to run by name; empty: all")
 
 
 class PrefectParams(Section):
@@ -356,6 +357,16 @@ def parse_params(raw: dict[str, Any], source: str = "params") -> Params:
     except ValidationError as error:
         problems = [_describe(err) for err in error.errors()]
         raise ParamsError(f"{source}: " + "; ".join(problems)) from None
+
+
+def active_profile(params_path: str | Path = "params.yaml", profiles_dir: str | Path = "profiles") -> str:
+    """The name of the profile whose every value params.yaml holds ("custom" when none does), for reports."""
+    current = load_params(params_path).model_dump()
+    for path in sorted(Path(profiles_dir).glob("*.yaml")):
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if isinstance(values, dict) and all(_dotted(current, key) == value for key, value in values.items()):
+            return path.stem
+    return "custom"
 
 
 def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") -> dict[str, Any]:

@@ -12,10 +12,12 @@ Budgets: `real_budget` B is the real-environment RL baseline's budget of real tr
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from components.config import ParamsError
 from components.evaluation import wilson_interval
 from components.reports import markdown_table, pyplot, save_figure
 
@@ -57,7 +59,36 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
     return {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget}
 
 
-RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json")  # kept from each run
+# kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs
+RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
+             "sim_to_real_iterations.csv")
+RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
+
+
+def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[str, ...] = ()) -> list[Variant]:
+    """The variants to run: all of them, or those named (a study split over machines, or one row rerun)."""
+    every = variants(algorithm_names)
+    unknown = sorted(set(names) - {v.name for v in every})
+    if unknown:
+        raise ParamsError(f"study.variants: unknown {', '.join(unknown)}; the variants of algorithms "
+                         f"{list(algorithm_names)} are {', '.join(v.name for v in every)}")
+    return [v for v in every if not names or v.name in names]
+
+
+def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Path = "metrics") -> Path:
+    """Copy a finished run's RUN_FILES and its record into `run_dir`, whole or not at all (a rerun skips it)."""
+    run_dir = Path(run_dir)
+    partial = run_dir.with_name(run_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for file_name in RUN_FILES:
+        source = Path(metrics_dir) / file_name
+        if source.is_file():
+            shutil.copy(source, partial / file_name)
+    (partial / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    partial.rename(run_dir)
+    return run_dir
 
 
 def aggregate(results_dir: str | Path, confidence: float = 0.95) -> tuple[dict[str, Any], str]:

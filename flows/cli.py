@@ -180,7 +180,7 @@ def _deploy(args: argparse.Namespace, params) -> int:
 def _run(call) -> int:
     try:
         call()
-    except StageError as error:
+    except (StageError, ParamsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

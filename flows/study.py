@@ -7,35 +7,33 @@ warm start, sim-to-real variants the cached synthetic RL), each finished run's m
 from __future__ import annotations
 
 import json
-import shutil
+import subprocess
+import time
 from pathlib import Path
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from components import study
-from components.config import load_params
+from components.config import active_profile, load_params
 from components.reports import write_stage_outputs
 from flows.pipeline import PARAMS, run_logged
 
 
 @task(task_run_name="{name}")
 def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
-    """One pipeline run with `overrides` up to evaluate_policies; its metrics are copied to `run_dir`."""
+    """One pipeline run with `overrides` up to evaluate_policies; its metrics and record are kept in `run_dir`."""
     original = Path(PARAMS).read_text(encoding="utf-8")
+    started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
         run_logged(["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}"
                                             for key, value in overrides.items()], "evaluate_policies"])
+        profile = active_profile(PARAMS)  # while params.yaml still holds the run's values
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
-    partial = run_dir.with_name(run_dir.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    for file_name in study.RUN_FILES:
-        source = Path("metrics") / file_name
-        if source.is_file():
-            shutil.copy(source, partial / file_name)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    partial.rename(run_dir)  # complete runs only: a rerun skips exactly these
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    study.keep_run(run_dir, {"run": name, "params_set": overrides, "profile": profile, "commit": commit,
+                             "seconds": round(time.monotonic() - started, 1)})
 
 
 @task
@@ -58,7 +56,7 @@ def results_study_flow() -> dict:
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
     for seed in settings.seeds:
-        for variant in study.variants(tuple(settings.algorithms)):
+        for variant in study.select_variants(tuple(settings.algorithms), settings.variants):
             run_dir = results_dir / f"{variant.name}-seed{seed}"
             if (run_dir / "evaluate_policies.json").is_file():
                 continue
