@@ -11,9 +11,11 @@ Budgets: `real_budget` B is the real-environment RL baseline's budget of real tr
 """
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -91,33 +93,70 @@ def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Pat
     return run_dir
 
 
+@dataclass(frozen=True)
+class Run:
+    """One finished run of the study, as kept in `RESULTS_DIR/<variant>-seed<k>/`."""
+    path: Path
+    variant: Variant
+    seed: int
+    evaluated: dict[str, Any]  # evaluate_policies.json
+    sim_to_real: dict[str, Any]
+    synthetic_rl: dict[str, Any]
+    record: dict[str, Any]  # run.json (empty for runs kept before it existed)
+
+    def from_synthetic_rl(self, label: str) -> bool:
+        """Whether the policy evaluated under `label` descends from this run's synthetic RL."""
+        return label.startswith("synthetic_") or (
+            label == "sim-to-real" and self.sim_to_real.get("start_from", "synthetic_rl") == "synthetic_rl")
+
+    def iterations(self, stage: str) -> list[dict[str, float]]:
+        """The per-iteration log of `stage` (synthetic_rl or sim_to_real), numbers only."""
+        path = self.path / f"{stage}_iterations.csv"
+        if not path.is_file():
+            return []
+        with path.open(encoding="utf-8") as handle:
+            return [{key: float(value) for key, value in row.items() if _is_number(value)}
+                    for row in csv.DictReader(handle)]
+
+
+def finished_runs(results_dir: str | Path) -> list[Run]:
+    """The runs in `results_dir` that finished (an unfinished `.partial` or unknown folder is not one)."""
+    known = {v.name: v for v in variants()}
+    runs = []
+    for path in sorted(Path(results_dir).glob("*-seed*")):
+        name, _, seed = path.name.rpartition("-seed")
+        if name in known and seed.isdigit() and (path / "evaluate_policies.json").is_file():
+            runs.append(Run(path, known[name], int(seed), _read(path / "evaluate_policies.json"),
+                            _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
+                            _read(path / RUN_RECORD)))
+    return runs
+
+
 def aggregate(results_dir: str | Path, confidence: float = 0.95) -> tuple[dict[str, Any], str]:
     """Pool every method's held-out episodes over the runs in `results_dir`; the metrics and a markdown table.
 
-    A run directory is `<variant>-seed<k>` holding RUN_FILES. Methods appear in the order of `variants()`.
+    Methods appear in the order of `variants()`. Transitions are those the evaluated policy was trained on: real
+    ones in sim-to-real or real RL, synthetic ones when it descends from synthetic RL (whose experience-model
+    fallback rate is given too: replies that could not be parsed and were replaced by "state unchanged").
     """
-    results_dir = Path(results_dir)
-    known = {v.name: v for v in variants()}
     pooled: dict[tuple[str, str], dict[str, Any]] = {}  # (method, environment) -> counts
-    for run_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and "-seed" in p.name):
-        name, seed = run_dir.name.rsplit("-seed", 1)
-        if name not in known or not (run_dir / "evaluate_policies.json").is_file():
-            continue
-        evaluated = json.loads((run_dir / "evaluate_policies.json").read_text(encoding="utf-8"))
-        s2r = _read(run_dir / "sim_to_real.json")
-        synthetic = _read(run_dir / "synthetic_rl.json")
-        for label, method in known[name].rows.items():
-            for environment, result in evaluated.get(label, {}).items():
+    for run in finished_runs(results_dir):
+        for label, method in run.variant.rows.items():
+            synthetic = run.synthetic_rl if run.from_synthetic_rl(label) else {}
+            for environment, result in run.evaluated.get(label, {}).items():
                 if environment == "next_action":
                     continue
                 entry = pooled.setdefault((method, environment), {
-                    "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": []})
+                    "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": [],
+                    "fallback_rates": []})
                 entry["episodes"] += result["episodes"]
                 entry["successes"] += result["successes"]
-                entry["seeds"].append(int(seed))
-                entry["real_transitions"].append(s2r.get("real_transitions_used", 0) if label == "sim-to-real" else 0)
-                entry["synthetic_transitions"].append(
-                    synthetic.get("synthetic_transitions", 0) if label != "sft_warm_start" else 0)
+                entry["seeds"].append(run.seed)
+                entry["real_transitions"].append(
+                    run.sim_to_real.get("real_transitions_used", 0) if label == "sim-to-real" else 0)
+                entry["synthetic_transitions"].append(synthetic.get("synthetic_transitions", 0))
+                if synthetic:
+                    entry["fallback_rates"].append(synthetic.get("experience_model", {}).get("fallback_rate", 0.0))
     order = [method for v in variants() for method in v.rows.values()]
     metrics: dict[str, Any] = {}
     rows = []
@@ -125,18 +164,135 @@ def aggregate(results_dir: str | Path, confidence: float = 0.95) -> tuple[dict[s
                                                                                    item[0][1])):
         n, k = entry["episodes"], entry["successes"]
         low, high = wilson_interval(k, n, confidence)
-        metrics.setdefault(method, {})[environment] = {
+        fallbacks = entry["fallback_rates"]
+        m = metrics.setdefault(method, {})[environment] = {
             "episodes": n, "successes": k, "success_rate": k / n if n else 0.0, "success_ci_low": low,
             "success_ci_high": high, "seeds": sorted(entry["seeds"]),
-            "real_transitions_mean": sum(entry["real_transitions"]) / len(entry["real_transitions"]),
-            "synthetic_transitions_mean": sum(entry["synthetic_transitions"]) / len(entry["synthetic_transitions"])}
-        m = metrics[method][environment]
-        rows.append([method, environment, f"{m['success_rate']:.2f} [{low:.2f}, {high:.2f}]", n,
+            "real_transitions_mean": _mean(entry["real_transitions"]),
+            "synthetic_transitions_mean": _mean(entry["synthetic_transitions"]),
+            "simulator_fallback_rate": _mean(fallbacks) if fallbacks else None}
+        rows.append([method, environment, f"{m['success_rate']:.2f} [{low:.2f}, {high:.2f}]", f"{k}/{n}",
                      len(entry["seeds"]), f"{m['real_transitions_mean']:.0f}",
-                     f"{m['synthetic_transitions_mean']:.0f}"])
-    table = markdown_table(["method", "environment", f"held-out success [{confidence:.0%} CI]", "episodes",
-                            "seeds", "real transitions (RL)", "synthetic transitions"], rows)
+                     f"{m['synthetic_transitions_mean']:.0f}", "-" if not fallbacks else f"{_mean(fallbacks):.0%}"])
+    table = markdown_table(["method", "environment", f"held-out success [{confidence:.0%} CI]", "wins",
+                            "seeds", "real transitions (RL)", "synthetic transitions", "simulator fallbacks"], rows)
     return metrics, table
+
+
+# The paper's claims as comparisons of two table rows: (claim, method A, method B, kind). "better": A beats B;
+# "not worse": A does at least as well as B. {A} is the algorithm; the ablations are on GRPO, as in the paper.
+CLAIMS = (
+    ("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better"),
+    ("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})", "{A} in the real environment",
+     "not worse"),
+    ("Sim-to-real with a tenth of the real budget beats real-only RL with all of it", "DreamGym-S2R ({A})",
+     "{A} in the real environment", "better"),
+    ("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum", "better"),
+    ("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval", "better"),
+    ("Reasoning before predicting helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o reasoning", "better"),
+)
+
+
+def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> str:
+    """Each claim of the paper against our table, as a markdown table; a difference counts only when the two
+    rows' confidence intervals do not overlap (conservative: with a few held-out games most claims stay open)."""
+    rows = []
+    seen = set()
+    for algorithm in algorithm_names:
+        for claim, method_a, method_b, kind in CLAIMS:
+            a, b = method_a.format(A=algorithm.upper()), method_b.format(A=algorithm.upper())
+            if (a, b) in seen:
+                continue
+            seen.add((a, b))
+            for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
+                ra, rb = metrics[a][environment], metrics[b][environment]
+                rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}",
+                             f"{b}: {rb['successes']}/{rb['episodes']}", _verdict(ra, rb, kind)])
+    if not rows:
+        return "No claim can be tested yet: no two of its rows have finished runs.\n"
+    return markdown_table(["claim", "environment", "A", "B", "verdict"], rows)
+
+
+def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str) -> str:
+    if a["successes"] == 0 and b["successes"] == 0:
+        return "not testable: neither won a game"
+    if a["success_ci_low"] > b["success_ci_high"]:
+        return "supported: A higher, intervals apart"
+    if b["success_ci_low"] > a["success_ci_high"]:
+        return "contradicted: A lower, intervals apart"
+    leaning = "A higher" if a["success_rate"] > b["success_rate"] else (
+        "A lower" if a["success_rate"] < b["success_rate"] else "equal")
+    return (f"not resolved: {leaning}, intervals overlap" if kind == "better"
+            else f"not contradicted: {leaning}, intervals overlap")
+
+
+def runs_table(runs: list[Run]) -> str:
+    """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed."""
+    rows = [[run.path.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
+             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
+             run.synthetic_rl.get("iterations", 0), run.synthetic_rl.get("synthetic_transitions", 0),
+             f"{run.synthetic_rl.get('experience_model', {}).get('fallback_rate', 0.0):.0%}",
+             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
+             run.sim_to_real.get("real_transitions_used", 0)] for run in runs]
+    return markdown_table(["run", "profile", "commit", "wall time (min)", "synthetic RL iterations",
+                           "synthetic transitions", "simulator fallbacks", "sim-to-real from",
+                           "real RL iterations", "real transitions"], rows)
+
+
+def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:
+    """Mean episode reward per iteration: synthetic RL (left, in the simulator) and RL in the real environment
+    (right, against the real transitions spent), one line per run that trained that stage itself."""
+    panels = [("synthetic_rl", "synthetic RL: reward in the simulator", "iteration"),
+              ("sim_to_real", "real-environment RL: reward in the real games", "real transitions")]
+    lines = {stage: [] for stage, _, _ in panels}
+    for run in runs:
+        trains_synthetic = any(label.startswith("synthetic_") for label in run.variant.rows)
+        if trains_synthetic and run.iterations("synthetic_rl"):
+            lines["synthetic_rl"].append((run.path.name, run.iterations("synthetic_rl")))
+        if "sim-to-real" in run.variant.rows and run.iterations("sim_to_real"):
+            lines["sim_to_real"].append((run.path.name, run.iterations("sim_to_real")))
+    if not any(lines.values()):
+        return None
+    figure, axes = pyplot().subplots(1, 2, figsize=(10, 3.6))
+    for axis, (stage, title, x_label) in zip(axes, panels, strict=True):
+        for name, rows in lines[stage]:
+            if stage == "synthetic_rl":
+                xs = [row["iteration"] for row in rows]
+            else:  # cumulative real transitions: runs of different budgets share one axis
+                xs = list(accumulate(row.get("env_transitions", 0.0) for row in rows))
+            axis.plot(xs, [row.get("reward_mean", 0.0) for row in rows], marker="o", markersize=3, label=name)
+        axis.set_title(title, fontsize=9)
+        axis.set_xlabel(x_label, fontsize=8)
+        axis.set_ylabel("mean episode reward", fontsize=8)
+        axis.tick_params(labelsize=7)
+        if lines[stage]:
+            axis.legend(fontsize=6)
+    return save_figure(figure, path)
+
+
+def report(results_dir: str | Path, confidence: float = 0.95,
+           algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> tuple[dict[str, Any], str]:
+    """The study's metrics and markdown report, with its plots written into `results_dir`."""
+    results_dir = Path(results_dir)
+    runs = finished_runs(results_dir)
+    metrics, table = aggregate(results_dir, confidence)
+    bars = success_plot(metrics, results_dir / "results.png")
+    curves = learning_curves_plot(runs, results_dir / "learning_curves.png")
+    hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
+    text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
+            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs).\n\n{table}"
+            + (f"\n![held-out success]({bars.name})\n" if bars else "")
+            + f"\n## The paper's claims at this scale\n\n{claim_verdicts(metrics, algorithm_names)}"
+            + f"\n## Runs\n\n{runs_table(runs)}"
+            + (f"\n![learning curves]({curves.name})\n" if curves else ""))
+    return metrics, text
+
+
+def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """The table as rows for a CSV (`dvc plots show` draws metrics/results_study.csv as bars)."""
+    return [{"method": method, "environment": environment, "success_rate": m["success_rate"],
+             "success_ci_low": m["success_ci_low"], "success_ci_high": m["success_ci_high"],
+             "episodes": m["episodes"]} for method, by_env in metrics.items() for environment, m in by_env.items()]
 
 
 def success_plot(metrics: dict[str, Any], path: str | Path) -> Path | None:
@@ -157,3 +313,15 @@ def success_plot(metrics: dict[str, Any], path: str | Path) -> Path | None:
 
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _is_number(text: str | None) -> bool:
+    try:
+        float(text or "")
+    except ValueError:
+        return False
+    return True

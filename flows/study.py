@@ -16,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from components import study
 from components.config import active_profile, load_params
-from components.reports import write_stage_outputs
+from components.reports import metrics_path, write_csv, write_stage_outputs
 from flows.pipeline import PARAMS, run_logged
 
 
@@ -37,14 +37,11 @@ def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
 
 
 @task
-def report(results_dir: Path, confidence: float) -> dict:
-    metrics, table = study.aggregate(results_dir, confidence)
-    plot = study.success_plot(metrics, results_dir / "results.png")
-    text = ("# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
-            f"intervals). Runs: `{results_dir}/`.\n\n" + table
-            + (f"\n![held-out success]({plot.name})\n" if plot else ""))
+def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) -> dict:
+    metrics, text = study.report(results_dir, confidence, algorithms)
     (results_dir / "README.md").write_text(text, encoding="utf-8")
     write_stage_outputs("results_study", metrics, text)
+    write_csv(study.flat_rows(metrics), metrics_path("results_study").with_suffix(".csv"))
     create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
     return metrics
 
@@ -62,4 +59,4 @@ def results_study_flow() -> dict:
                 continue
             run_variant(f"{variant.name}-seed{seed}",
                         study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share), run_dir)
-    return report(results_dir, confidence)
+    return report(results_dir, confidence, tuple(settings.algorithms))

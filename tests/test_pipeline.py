@@ -248,3 +248,47 @@ def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_mod
     assert [int(row.split(",")[0]) for row in rows] == [1, 2, 3, 4]  # none lost, none repeated
     # the tiny experience model never ends an episode, so every episode lasts max_turns (2): 4 iterations x 2 x 2
     assert rl["synthetic_transitions"] == 16 and rl["buffer_size"] == seeded + 16
+
+
+def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefect_server, tiny_model_dir):
+    """`dreamgym flow results_study` on a real Prefect server: each variant is a `dvc exp run` whose metrics are
+    kept with a record; the report pools them; a second call runs nothing; params.yaml is left as the user wrote it."""
+    from prefect.client.orchestration import get_client
+
+    from flows.study import results_study_flow
+
+    set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
+                           "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
+                           "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
+                           "study.algorithms": ["grpo"], "study.variants": ["dreamgym-grpo", "no-curriculum"]})
+    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+        monkeypatch.setenv(variable, "study test")
+    for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "study@example.invalid")
+    run("git", "add", "-A", cwd=onboarded)
+    run("git", "commit", "-q", "-m", "the user's project", cwd=onboarded)  # `dvc exp run` needs a commit
+    params_before = (onboarded / "params.yaml").read_text()
+    monkeypatch.chdir(onboarded)
+
+    metrics = results_study_flow()
+
+    results = onboarded / "reports" / "studies" / "results"
+    assert sorted(p.name for p in results.iterdir() if p.is_dir()) == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
+    record = json.loads((results / "no-curriculum-seed0" / "run.json").read_text())
+    assert record["params_set"]["synthetic_rl.curriculum.enabled"] is False and record["profile"] == "custom"
+    assert record["seconds"] > 0 and len(record["commit"]) == 40
+    simulated = "demo-kitchen (simulated)"  # a seed-only domain: policies are scored inside the experience model
+    # no DreamGym-S2R row: sim-to-real skips a domain with no real environment
+    assert set(metrics) == {"SFT only", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum"}
+    assert metrics["DreamGym (GRPO) w/o curriculum"][simulated]["episodes"] == 1
+    readme = (results / "README.md").read_text()
+    assert "The curriculum helps" in readme and "| no-curriculum-seed0 | custom |" in readme
+    assert (results / "learning_curves.png").stat().st_size > 1000
+    assert (onboarded / "params.yaml").read_text() == params_before
+    with get_client(sync_client=True) as client:
+        published = [a.data for a in client.read_artifacts() if a.key == "results-study"]
+    assert published and "DreamGym (GRPO) w/o curriculum" in published[0]
+
+    kept = (results / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns
+    results_study_flow()  # every run is kept: nothing reruns
+    assert (results / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns == kept

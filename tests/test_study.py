@@ -3,8 +3,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from components.config import ParamsError
 from components.evaluation import wilson_interval
-from components.study import aggregate, run_overrides, success_plot, variants
+from components.study import (
+    aggregate,
+    claim_verdicts,
+    keep_run,
+    report,
+    run_overrides,
+    select_variants,
+    success_plot,
+    variants,
+)
 
 
 def _evaluation(successes: int, episodes: int) -> dict:
@@ -13,12 +25,14 @@ def _evaluation(successes: int, episodes: int) -> dict:
             "success_ci_low": 0.0, "success_ci_high": 1.0, "mean_return": 0.0, "mean_steps": 5.0, "wall_s": 1.0}
 
 
-def _run(results, name, evaluated, s2r_used=0, synthetic=0):
+def _run(results, name, evaluated, s2r_used=0, synthetic=0, start_from="synthetic_rl"):
     run_dir = results / name
     run_dir.mkdir(parents=True)
     (run_dir / "evaluate_policies.json").write_text(json.dumps(evaluated))
-    (run_dir / "sim_to_real.json").write_text(json.dumps({"real_transitions_used": s2r_used}))
-    (run_dir / "synthetic_rl.json").write_text(json.dumps({"synthetic_transitions": synthetic}))
+    (run_dir / "sim_to_real.json").write_text(json.dumps({"real_transitions_used": s2r_used,
+                                                          "start_from": start_from}))
+    (run_dir / "synthetic_rl.json").write_text(json.dumps({"synthetic_transitions": synthetic,
+                                                           "experience_model": {"fallback_rate": 0.25}}))
 
 
 def test_budgets_follow_the_variant():
@@ -39,7 +53,8 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
              {"skipped": [], "sft_warm_start": {tw: _evaluation(sft, 6), "next_action": {"accuracy": 0.5}},
               "synthetic_grpo": {tw: _evaluation(dream, 6)}, "sim-to-real": {tw: _evaluation(s2r, 6)}},
              s2r_used=16, synthetic=40 + seed)
-    _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(4, 6)}}, s2r_used=150, synthetic=40)
+    _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(4, 6)}}, s2r_used=150, synthetic=40,
+         start_from="sft")
     (tmp_path / "no-retrieval-seed0.partial").mkdir()  # an unfinished run is not counted
 
     metrics, table = aggregate(tmp_path)
@@ -49,7 +64,67 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
     assert (s2r["episodes"], s2r["successes"], s2r["seeds"]) == (12, 8, [0, 1])
     assert (s2r["success_ci_low"], s2r["success_ci_high"]) == wilson_interval(8, 12, 0.95)
     assert s2r["real_transitions_mean"] == 16 and metrics["DreamGym (GRPO)"][tw]["real_transitions_mean"] == 0
-    assert metrics["GRPO in the real environment"][tw]["real_transitions_mean"] == 150
+    real = metrics["GRPO in the real environment"][tw]  # started from the warm start: no synthetic transitions
+    assert (real["real_transitions_mean"], real["synthetic_transitions_mean"], real["simulator_fallback_rate"]) == (
+        150, 0, None)
+    assert metrics["DreamGym (GRPO)"][tw]["simulator_fallback_rate"] == 0.25
     assert metrics["SFT only"][tw]["synthetic_transitions_mean"] == 0
     assert "| DreamGym-S2R (GRPO) | textworld-cooking | 0.67 [" in table
     assert success_plot(metrics, tmp_path / "results.png").stat().st_size > 1000
+
+
+def test_unknown_variant_names_fail_with_the_known_ones():
+    assert [v.name for v in select_variants(("ppo",), ["real-ppo"])] == ["real-ppo"]
+    with pytest.raises(ParamsError, match="unknown real-gpro; .* are dreamgym-grpo, real-grpo"):
+        select_variants(("grpo",), ["real-gpro"])
+
+
+def _rates(successes, episodes):
+    low, high = wilson_interval(successes, episodes, 0.95)
+    return {"successes": successes, "episodes": episodes, "success_rate": successes / episodes,
+            "success_ci_low": low, "success_ci_high": high}
+
+
+def test_a_claim_counts_only_when_the_intervals_are_apart():
+    tw = "textworld-cooking"
+    metrics = {"SFT only": {tw: _rates(2, 40)}, "DreamGym (GRPO)": {tw: _rates(30, 40)},
+               "GRPO in the real environment": {tw: _rates(26, 40)}, "DreamGym-S2R (GRPO)": {tw: _rates(0, 40)},
+               "DreamGym (GRPO) w/o curriculum": {tw: _rates(0, 40)}}
+    rows = {line.split(" | ")[0].strip("| "): line for line in claim_verdicts(metrics, ("grpo",)).splitlines()}
+    assert "supported: A higher, intervals apart" in rows["Synthetic-only RL improves on the warm start"]
+    assert "not contradicted: A higher, intervals overlap" in rows[
+        "Synthetic-only RL matches RL in the real environment"]
+    assert "contradicted: A lower, intervals apart" in rows[
+        "Sim-to-real with a tenth of the real budget beats real-only RL with all of it"]
+    assert "supported" in rows["The curriculum helps"] and "Retrieval of similar transitions helps" not in rows
+    both_lost = {"SFT only": {tw: _rates(0, 3)}, "DreamGym (GRPO)": {tw: _rates(0, 3)}}
+    assert "not testable: neither won a game" in claim_verdicts(both_lost, ("grpo",))
+
+
+def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
+    tw = "textworld-cooking"
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "evaluate_policies.json").write_text(json.dumps(
+        {"sft_warm_start": {tw: _evaluation(1, 4)}, "synthetic_grpo": {tw: _evaluation(2, 4)},
+         "sim-to-real": {tw: _evaluation(3, 4)}}))
+    (metrics_dir / "synthetic_rl.json").write_text(json.dumps({"iterations": 2, "synthetic_transitions": 32}))
+    (metrics_dir / "sim_to_real.json").write_text(json.dumps(
+        {"start_from": "synthetic_rl", "iterations": 1, "real_transitions_used": 16}))
+    (metrics_dir / "synthetic_rl_iterations.csv").write_text(
+        "iteration,reward_mean,tasks\n1,0.0,tw-a\n2,0.5,tw-b\n")
+    (metrics_dir / "sim_to_real_iterations.csv").write_text("iteration,reward_mean,env_transitions\n1,1.0,16\n")
+    results = tmp_path / "results"
+    (results / "dreamgym-grpo-seed0.partial").mkdir(parents=True)  # left by a crash: replaced, never counted
+    record = {"run": "dreamgym-grpo-seed0", "profile": "quick", "commit": "e54f2c8abc", "seconds": 600.0,
+              "params_set": {"seed": 0}}
+
+    run_dir = keep_run(results / "dreamgym-grpo-seed0", record, metrics_dir)
+
+    assert sorted(p.name for p in results.iterdir()) == ["dreamgym-grpo-seed0"]
+    assert json.loads((run_dir / "run.json").read_text()) == record
+    metrics, text = report(results, 0.95, ("grpo",))
+    assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
+    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 2 | 32 |" in text
+    assert "1 finished runs" in text and "## The paper's claims at this scale" in text
+    assert (results / "learning_curves.png").stat().st_size > 1000 and "learning_curves.png" in text
