@@ -7,7 +7,6 @@ written last: an artifact without one is incomplete and does not exist as far as
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from components.files import sha256_file
 
 if TYPE_CHECKING:
     from components.config import StorageParams
@@ -38,14 +39,6 @@ class ArtifactNotFoundError(ArtifactError):
 
 class ArtifactCorruptError(ArtifactError):
     """Stored bytes do not match the artifact's manifest."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(_MB), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_name(kind: str, value: str) -> str:

@@ -1,6 +1,7 @@
-"""Crash-safe writes of whole directories (model caches, saved buffers)."""
+"""Files and directories: crash-safe writes of whole directories (model caches, saved buffers), content digests."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -37,3 +38,21 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1024 * 1024), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def directory_sha256(path: str | Path) -> str:
+    """The sha256 of a directory's content: every file's relative path and bytes (a model retrained in place is
+    another model)."""
+    root = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(root).as_posix()}\0{sha256_file(file)}\n".encode())
+    return digest.hexdigest()

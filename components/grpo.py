@@ -85,13 +85,15 @@ def grpo_config(settings: RLSettings, output_dir: str | Path, **overrides: Any) 
 
 def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
                buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
-               cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None) -> RLResult:
+               cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None,
+               environment: str = "") -> RLResult:
     """Train `policy_model` (the warm start) with GRPO on episodes from `make_batch()` over the curriculum's tasks
     (`generator` writes the curriculum's task variations; None: no new tasks).
 
     Layout: `out_dir/checkpoints/checkpoint-N` (adapter, optimizer, scheduler, RNG states, trainer state, plus the
     replay buffer and iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same
-    settings resumes from the last complete checkpoint; TRL's sampler skips the iterations already done.
+    settings, warm start and `environment` (the caller's identity of where episodes come from) resumes from the last
+    complete checkpoint; TRL's sampler skips the iterations already done.
     """
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -103,7 +105,7 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
         raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "
                          f"of micro_batch_size ({settings.micro_batch_size})")
     out_dir = Path(out_dir)
-    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir)
+    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
     if resume is not None and len(rows) >= settings.iterations:
         # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
         # after one, and for sim-to-real that step spends real transitions beyond the budget.

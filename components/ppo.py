@@ -385,17 +385,19 @@ def prune_checkpoints(checkpoints: Path, keep: int) -> None:
 
 def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
               buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
-              cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None) -> RLResult:
+              cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None,
+              environment: str = "") -> RLResult:
     """Train `policy_model` (the warm start) with PPO on episodes from `make_batch()` over the curriculum's tasks
     (`generator` writes the curriculum's task variations; None: no new tasks). PPO has no groups of one task:
     give the curriculum clusters of similar tasks (`curriculum.cluster_tasks`) to measure reward variance over.
 
     Layout: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer, RNG states, plus the replay buffer and
-    iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same settings resumes from
-    the last complete checkpoint and plays the same tasks an uninterrupted run would have.
+    iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same settings, warm start
+    and `environment` (the caller's identity of where episodes come from) resumes from the last complete checkpoint
+    and plays the same tasks an uninterrupted run would have.
     """
     out_dir = Path(out_dir)
-    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir)
+    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
 
     seed_everything(settings.seed)  # before the LoRA and value-head initialisations, so a fresh run repeats
     model, tokenizer, reference = load_policy(policy_model, settings, cache_dir, resume)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from components.contract import Task
 from components.environments.synthetic import add_to_buffer
-from components.files import atomic_directory
+from components.files import atomic_directory, directory_sha256
 from components.replay_buffer import ReplayBuffer, load_replay_buffer
 from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.sft import LoraSettings
@@ -210,17 +210,21 @@ def last_complete_checkpoint(checkpoints: Path, with_buffer: bool) -> Path | Non
     return found[-1] if found else None
 
 
-def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Curriculum) -> str:
-    """Checkpoints are only resumed by a run with the same settings, warm start, tasks and curriculum.
+def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Curriculum, environment: str) -> str:
+    """Checkpoints are only resumed by a run with the same settings, warm start, environment, tasks and curriculum.
 
-    The run's length and checkpointing are left out: an iteration does not depend on them (the learning rate is
-    constant), so a run extended or cut to another number of iterations resumes where it stopped.
+    The warm start counts by content when it is a local directory (a policy retrained in place is another warm
+    start); `environment` is the caller's identity of where episodes come from (the simulator's model, buffer and
+    settings, or the real environments' settings). The run's length and checkpointing are left out: an iteration
+    does not depend on them (the learning rate is constant), so a run extended or cut to another number of
+    iterations resumes where it stopped.
     """
     import hashlib
 
     what_an_iteration_does = {key: value for key, value in asdict(settings).items()
                               if key not in ("iterations", "save_every", "save_total_limit")}
-    payload = json.dumps([what_an_iteration_does, policy_model, [t.task_id for t in curriculum.base_tasks],
+    warm_start = directory_sha256(policy_model) if Path(policy_model).is_dir() else policy_model
+    payload = json.dumps([what_an_iteration_does, warm_start, environment, [t.task_id for t in curriculum.base_tasks],
                           asdict(curriculum.settings), curriculum.clusters], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -234,15 +238,15 @@ def prepare_checkpoints(checkpoints: Path, fingerprint: str) -> None:
 
 
 def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | None, settings: RLSettings,
-              out_dir: Path) -> tuple[Path, Path | None, list[dict[str, Any]]]:
+              out_dir: Path, environment: str) -> tuple[Path, Path | None, list[dict[str, Any]]]:
     """Checkpoints dir, the checkpoint to resume from (or None) and the iteration log so far; on resume the buffer
-    and the curriculum are restored in place. Checkpoints of other settings, warm start, tasks or curriculum are
-    cleared, never resumed."""
+    and the curriculum are restored in place. Checkpoints of other settings, warm start, environment, tasks or
+    curriculum are cleared, never resumed."""
     tasks = curriculum.base_tasks
     if len(tasks) < settings.tasks_per_iteration:
         raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     checkpoints = out_dir / "checkpoints"
-    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, curriculum))
+    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, curriculum, environment))
     resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
     rows: list[dict[str, Any]] = []
     if resume is not None:

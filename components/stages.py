@@ -4,6 +4,7 @@ DVC (`dreamgym stage NAME`) and Prefect (`flows/`) call these same functions, so
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -373,6 +374,15 @@ def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list
     return envs, stats
 
 
+def _identity(*parts: Any) -> str:
+    """Where an RL run's episodes come from, for its checkpoints' fingerprint: directories (the experience model,
+    the buffer) by content, settings by value."""
+    from components.files import directory_sha256
+
+    return json.dumps([directory_sha256(p) if isinstance(p, Path) and p.is_dir() else
+                       p.model_dump() if hasattr(p, "model_dump") else p for p in parts], sort_keys=True, default=str)
+
+
 def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[Any, Any]:
     """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
     (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
@@ -427,9 +437,12 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     else:
         from components.ppo import train_ppo as train
     warm_start = str(root / params.policy.sft.out_dir / "model")
+    experience = params.experience_model
+    simulator = _identity(root / experience.out_dir / "model", root / params.buffer.out_dir, experience.prompt,
+                          experience.inference, params.models.experience)
     result = train(warm_start, curriculum, lambda: SyntheticBatch(*envs), buffer, _policy_format(params),
                    _rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
-                   generator=generator)
+                   generator=generator, environment=simulator)
     buffer.save(root / settings.out_dir / "replay_buffer")
     curriculum.write_tasks(root / settings.out_dir / "generated_tasks.jsonl")
     rows = result.log
@@ -505,7 +518,8 @@ def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
     # Real tasks cannot be invented: the curriculum is off here, the tasks are the training tasks' real games.
     result = train(str(root / start / "model"), Curriculum(tasks, CurriculumSettings(enabled=False)),
                    lambda: RealBatch(lambda task: real_environment(task.environment).open(params.environments)),
-                   None, _policy_format(params), rl, root / settings.out_dir, cache_dir=root / params.models.cache_dir)
+                   None, _policy_format(params), rl, root / settings.out_dir, cache_dir=root / params.models.cache_dir,
+                   environment=_identity(params.environments))
     rows = result.log
     used = sum(row["env_transitions"] for row in rows)
     if used > settings.real_transitions:  # cannot happen: iterations_within_budget charges every worst case

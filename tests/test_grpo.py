@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +90,25 @@ def test_grpo_rerun_of_a_finished_run_trains_nothing_even_mid_epoch(policy_dir, 
     assert read_iteration_log(again.model_dir) == again.log
     assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-1"]
     load_causal_lm(str(again.model_dir), cache_dir=tmp_path)  # the final policy, rebuilt from the checkpoint
+
+
+def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(policy_dir, tmp_path):
+    """The study's ablations share out_dir: a run on another simulator, or from a warm start retrained in place,
+    must start afresh, not finish from the previous run's checkpoint."""
+    import shutil
+
+    warm_start = Path(shutil.copytree(policy_dir, tmp_path / "warm-start"))
+    one = replace(SETTINGS, iterations=1)
+
+    def train(environment):
+        return train_grpo(str(warm_start), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
+                          PolicyFormat(), one, tmp_path / "rl", cache_dir=tmp_path, environment=environment)
+
+    assert train("simulator A").resumed_from is None
+    assert train("simulator A").resumed_from  # the same run again: resumed
+    assert train("simulator B").resumed_from is None
+    build_tiny_causal_lm(["take knife", "cook meal"] * 20, save_dir=warm_start)  # retrained at the same path
+    assert train("simulator B").resumed_from is None
 
 
 def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_path):

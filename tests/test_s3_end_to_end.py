@@ -10,8 +10,9 @@ import uuid
 
 import pytest
 
-from components.artifacts import open_artifact_store, sha256_file
+from components.artifacts import open_artifact_store
 from components.config import load_params
+from components.files import sha256_file
 from components.stages import PREDICTIONS_FILE, publish
 from tests.conftest import REPO, run, set_params, tiny_experience_model
 
