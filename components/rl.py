@@ -201,13 +201,21 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Cur
     return log
 
 
-def last_complete_checkpoint(checkpoints: Path, with_buffer: bool) -> Path | None:
-    """The newest `checkpoint-N` whose side-cars were written; newer ones (a crash mid-save) are removed."""
+def last_complete_checkpoint(checkpoints: Path, with_buffer: bool, at_most: int) -> Path | None:
+    """The newest `checkpoint-N` with N <= `at_most` (the run's iterations) whose side-cars were written.
+
+    Newer ones are removed: a crash mid-save left them, or they belong to a longer run than this one (a run cut to
+    fewer iterations must not finish past its length, nor sim-to-real past its budget of real transitions).
+    """
     found = sorted((p for p in checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
                    key=lambda p: int(p.name.split("-")[-1]))
-    while found and not sidecars_complete(found[-1], with_buffer):
+    while found:
+        beyond = int(found[-1].name.split("-")[-1]) > at_most
+        if not beyond and sidecars_complete(found[-1], with_buffer):
+            return found[-1]
+        log.warning("removing %s: %s", found[-1], "beyond this run's length" if beyond else "incomplete (a crash)")
         shutil.rmtree(found.pop())
-    return found[-1] if found else None
+    return None
 
 
 def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Curriculum, environment: str) -> str:
@@ -216,8 +224,8 @@ def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Cu
     The warm start counts by content when it is a local directory (a policy retrained in place is another warm
     start); `environment` is the caller's identity of where episodes come from (the simulator's model, buffer and
     settings, or the real environments' settings). The run's length and checkpointing are left out: an iteration
-    does not depend on them (the learning rate is constant), so a run extended or cut to another number of
-    iterations resumes where it stopped.
+    does not depend on them (the learning rate is constant), so a run extended to more iterations resumes where it
+    stopped, and one cut to fewer resumes from its last checkpoint within the cut.
     """
     import hashlib
 
@@ -247,7 +255,7 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
         raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     checkpoints = out_dir / "checkpoints"
     prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, curriculum, environment))
-    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None)
+    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None, at_most=settings.iterations)
     rows: list[dict[str, Any]] = []
     if resume is not None:
         rows = load_sidecars(resume, buffer, curriculum)

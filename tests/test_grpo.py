@@ -92,6 +92,18 @@ def test_grpo_rerun_of_a_finished_run_trains_nothing_even_mid_epoch(policy_dir, 
     load_causal_lm(str(again.model_dir), cache_dir=tmp_path)  # the final policy, rebuilt from the checkpoint
 
 
+def test_a_run_cut_below_its_checkpoints_resumes_the_last_one_within_the_cut(policy_dir, tmp_path):
+    """Sim-to-real's budget cut from two iterations to one must end at iteration 1, not finish from checkpoint 2
+    (which spent more real transitions than the new budget)."""
+    first = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
+                       PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
+    cut = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
+                     PolicyFormat(), replace(SETTINGS, iterations=1), tmp_path / "rl", cache_dir=tmp_path)
+    assert first.iterations == 2 and cut.resumed_from.endswith("checkpoint-1") and cut.iterations == 1
+    assert cut.log == json.loads(json.dumps(first.log[:1])) and read_iteration_log(cut.model_dir) == cut.log
+    assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
 def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(policy_dir, tmp_path):
     """The study's ablations share out_dir: a run on another simulator, or from a warm start retrained in place,
     must start afresh, not finish from the previous run's checkpoint."""
