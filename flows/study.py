@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from components import study
@@ -43,6 +43,8 @@ def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) ->
     write_stage_outputs("results_study", metrics, text)
     write_csv(study.flat_rows(metrics), metrics_path("results_study").with_suffix(".csv"))
     create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
+    get_run_logger().info("results study: %s (metrics/results_study.json, artifact results-study)",
+                          results_dir / "README.md")
     return metrics
 
 
