@@ -227,14 +227,18 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str) -> str:
 
 
 def runs_table(runs: list[Run]) -> str:
-    """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed."""
+    """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed. A run's
+    wall time is what it took here (DVC reuses the stages it shares with an earlier run); the RL stages' own time
+    is what they took when they ran."""
     rows = [[run.path.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
              f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
+             f"{(run.synthetic_rl.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
              run.synthetic_rl.get("iterations", 0), run.synthetic_rl.get("synthetic_transitions", 0),
              f"{run.synthetic_rl.get('experience_model', {}).get('fallback_rate', 0.0):.0%}",
              run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
              run.sim_to_real.get("real_transitions_used", 0)] for run in runs]
-    return markdown_table(["run", "profile", "commit", "wall time (min)", "synthetic RL iterations",
+    return markdown_table(["run", "profile", "commit", "wall time (min)", "RL stages' time (min)",
+                           "synthetic RL iterations",
                            "synthetic transitions", "simulator fallbacks", "sim-to-real from",
                            "real RL iterations", "real transitions"], rows)
 

@@ -108,9 +108,10 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     (metrics_dir / "evaluate_policies.json").write_text(json.dumps(
         {"sft_warm_start": {tw: _evaluation(1, 4)}, "synthetic_grpo": {tw: _evaluation(2, 4)},
          "sim-to-real": {tw: _evaluation(3, 4)}}))
-    (metrics_dir / "synthetic_rl.json").write_text(json.dumps({"iterations": 2, "synthetic_transitions": 32}))
+    (metrics_dir / "synthetic_rl.json").write_text(json.dumps({"iterations": 2, "synthetic_transitions": 32,
+                                                                   "seconds": 240.0}))
     (metrics_dir / "sim_to_real.json").write_text(json.dumps(
-        {"start_from": "synthetic_rl", "iterations": 1, "real_transitions_used": 16}))
+        {"start_from": "synthetic_rl", "iterations": 1, "real_transitions_used": 16, "seconds": 60.0}))
     (metrics_dir / "synthetic_rl_iterations.csv").write_text(
         "iteration,reward_mean,tasks\n1,0.0,tw-a\n2,0.5,tw-b\n")
     (metrics_dir / "sim_to_real_iterations.csv").write_text("iteration,reward_mean,env_transitions\n1,1.0,16\n")
@@ -125,6 +126,6 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
-    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 2 | 32 |" in text
+    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 |" in text
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "learning_curves.png").stat().st_size > 1000 and "learning_curves.png" in text
