@@ -17,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from components import study
 from components.config import active_profile, load_params
 from components.reports import metrics_path, write_csv, write_stage_outputs
+from components.stages import StageError
 from flows.pipeline import PARAMS, run_logged
 
 
@@ -39,6 +40,7 @@ def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
 @task
 def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) -> dict:
     metrics, text = study.report(results_dir, confidence, algorithms)
+    results_dir.mkdir(parents=True, exist_ok=True)  # no run may have finished yet
     (results_dir / "README.md").write_text(text, encoding="utf-8")
     write_stage_outputs("results_study", metrics, text)
     write_csv(study.flat_rows(metrics), metrics_path("results_study").with_suffix(".csv"))
@@ -50,15 +52,26 @@ def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) ->
 
 @flow(name="results_study")
 def results_study_flow() -> dict:
-    """Every variant x seed of params.yaml's `study` section not run yet, then the table and plot."""
+    """Every variant x seed of params.yaml's `study` section not run yet, then the table and plot.
+
+    A run that fails does not stop the others (a study is hours of runs): the table is made from those that
+    finished, and the flow fails at the end naming the failed runs, which a rerun tries again.
+    """
     params = load_params(PARAMS)
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
+    failed = []
     for seed in settings.seeds:
         for variant in study.select_variants(tuple(settings.algorithms), settings.variants):
-            run_dir = results_dir / f"{variant.name}-seed{seed}"
+            name, run_dir = f"{variant.name}-seed{seed}", results_dir / f"{variant.name}-seed{seed}"
             if (run_dir / "evaluate_policies.json").is_file():
                 continue
-            run_variant(f"{variant.name}-seed{seed}",
-                        study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share), run_dir)
-    return report(results_dir, confidence, tuple(settings.algorithms))
+            state = run_variant(name, study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share),
+                                run_dir, return_state=True)
+            if not state.is_completed():
+                failed.append(name)
+    metrics = report(results_dir, confidence, tuple(settings.algorithms))
+    if failed:
+        raise StageError(f"results study: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are above; "
+                           "a rerun of the flow runs them again and skips the finished ones)")
+    return metrics

@@ -292,3 +292,20 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     kept = (results / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns
     results_study_flow()  # every run is kept: nothing reruns
     assert (results / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns == kept
+
+
+def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypatch, prefect_server):
+    """Each run fails here (`dvc exp run` needs a commit and the project has none): the flow still runs the next
+    one, writes the (empty) report, keeps params.yaml, and fails at the end naming both runs."""
+    from components.stages import StageError
+    from flows.study import results_study_flow
+
+    set_params(project, {"study.algorithms": ["grpo"], "study.variants": ["dreamgym-grpo", "no-curriculum"]})
+    params_before = (project / "params.yaml").read_text()
+    monkeypatch.chdir(project)
+
+    with pytest.raises(StageError, match="2 run\\(s\\) failed: dreamgym-grpo-seed0, no-curriculum-seed0"):
+        results_study_flow()
+
+    assert "from 0 finished runs" in (project / "reports" / "studies" / "results" / "README.md").read_text()
+    assert (project / "params.yaml").read_text() == params_before
