@@ -135,17 +135,20 @@ def finished_runs(results_dir: str | Path) -> list[Run]:
 def aggregate(results_dir: str | Path, confidence: float = 0.95) -> tuple[dict[str, Any], str]:
     """Pool every method's held-out episodes over the runs in `results_dir`; the metrics and a markdown table.
 
-    Methods appear in the order of `variants()`. Transitions are those the evaluated policy was trained on: real
+    Methods appear in the order of `variants()`; a method's episodes count once per seed (the same warm start is
+    evaluated in the DreamGym run of each algorithm). Transitions are those the evaluated policy was trained on: real
     ones in sim-to-real or real RL, synthetic ones when it descends from synthetic RL (whose experience-model
     fallback rate is given too: replies that could not be parsed and were replaced by "state unchanged").
     """
     pooled: dict[tuple[str, str], dict[str, Any]] = {}  # (method, environment) -> counts
+    counted = set()  # (method, environment, seed): the warm start is evaluated in every DreamGym run of a seed
     for run in finished_runs(results_dir):
         for label, method in run.variant.rows.items():
             synthetic = run.synthetic_rl if run.from_synthetic_rl(label) else {}
             for environment, result in run.evaluated.get(label, {}).items():
-                if environment == "next_action":
+                if environment == "next_action" or (method, environment, run.seed) in counted:
                     continue
+                counted.add((method, environment, run.seed))
                 entry = pooled.setdefault((method, environment), {
                     "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": [],
                     "fallback_rates": []})
@@ -230,13 +233,18 @@ def runs_table(runs: list[Run]) -> str:
     """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed. A run's
     wall time is what it took here (DVC reuses the stages it shares with an earlier run); the RL stages' own time
     is what they took when they ran."""
-    rows = [[run.path.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
-             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
-             f"{(run.synthetic_rl.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
-             run.synthetic_rl.get("iterations", 0), run.synthetic_rl.get("synthetic_transitions", 0),
-             f"{run.synthetic_rl.get('experience_model', {}).get('fallback_rate', 0.0):.0%}",
-             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
-             run.sim_to_real.get("real_transitions_used", 0)] for run in runs]
+    rows = []
+    for run in runs:
+        # a real-environment baseline's pipeline also ran synthetic RL (cached), but its policy never used it
+        synthetic = run.synthetic_rl if any(run.from_synthetic_rl(label) for label in run.variant.rows) else {}
+        rows.append([
+            run.path.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
+            f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
+            f"{(synthetic.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
+            synthetic.get("iterations", "-"), synthetic.get("synthetic_transitions", "-"),
+            f"{synthetic['experience_model']['fallback_rate']:.0%}" if "experience_model" in synthetic else "-",
+            run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
+            run.sim_to_real.get("real_transitions_used", 0)])
     return markdown_table(["run", "profile", "commit", "wall time (min)", "RL stages' time (min)",
                            "synthetic RL iterations",
                            "synthetic transitions", "simulator fallbacks", "sim-to-real from",

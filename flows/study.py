@@ -24,12 +24,11 @@ from flows.pipeline import PARAMS, run_logged
 @task(task_run_name="{name}")
 def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
     """One pipeline run with `overrides` up to evaluate_policies; its metrics and record are kept in `run_dir`."""
-    original = Path(PARAMS).read_text(encoding="utf-8")
+    original, profile = Path(PARAMS).read_text(encoding="utf-8"), active_profile(PARAMS)  # before the overrides
     started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
         run_logged(["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}"
                                             for key, value in overrides.items()], "evaluate_policies"])
-        profile = active_profile(PARAMS)  # while params.yaml still holds the run's values
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -55,11 +55,17 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
              s2r_used=16, synthetic=40 + seed)
     _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(4, 6)}}, s2r_used=150, synthetic=40,
          start_from="sft")
+    # the PPO run of seed 0 evaluates the same warm start again: its episodes are not counted twice
+    _run(tmp_path, "dreamgym-ppo-seed0", {"sft_warm_start": {tw: _evaluation(1, 6)},
+                                          "synthetic_ppo": {tw: _evaluation(0, 6)}}, synthetic=40)
     (tmp_path / "no-retrieval-seed0.partial").mkdir()  # an unfinished run is not counted
 
     metrics, table = aggregate(tmp_path)
 
-    assert list(metrics) == ["SFT only", "DreamGym (GRPO)", "DreamGym-S2R (GRPO)", "GRPO in the real environment"]
+    assert list(metrics) == ["SFT only", "DreamGym (GRPO)", "DreamGym-S2R (GRPO)", "GRPO in the real environment",
+                             "DreamGym (PPO)"]
+    sft = metrics["SFT only"][tw]
+    assert (sft["episodes"], sft["successes"], sft["seeds"]) == (12, 3, [0, 1])
     s2r = metrics["DreamGym-S2R (GRPO)"][tw]
     assert (s2r["episodes"], s2r["successes"], s2r["seeds"]) == (12, 8, [0, 1])
     assert (s2r["success_ci_low"], s2r["success_ci_high"]) == wilson_interval(8, 12, 0.95)
