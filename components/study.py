@@ -109,6 +109,12 @@ class Run:
         return label.startswith("synthetic_") or (
             label == "sim-to-real" and self.sim_to_real.get("start_from", "synthetic_rl") == "synthetic_rl")
 
+    @property
+    def uses_synthetic_rl(self) -> bool:
+        """Whether a policy this run stands for descends from its synthetic RL (a real-only baseline's does not,
+        though its pipeline ran synthetic RL too)."""
+        return any(self.from_synthetic_rl(label) for label in self.variant.rows)
+
     def iterations(self, stage: str) -> list[dict[str, float]]:
         """The per-iteration log of `stage` (synthetic_rl or sim_to_real), numbers only."""
         path = self.path / f"{stage}_iterations.csv"
@@ -132,8 +138,8 @@ def finished_runs(results_dir: str | Path) -> list[Run]:
     return runs
 
 
-def aggregate(results_dir: str | Path, confidence: float = 0.95) -> tuple[dict[str, Any], str]:
-    """Pool every method's held-out episodes over the runs in `results_dir`; the metrics and a markdown table.
+def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any], str]:
+    """Pool every method's held-out episodes over `runs` (`finished_runs`); the metrics and a markdown table.
 
     Methods appear in the order of `variants()`; a method's episodes count once per seed (the same warm start is
     evaluated in the DreamGym run of each algorithm). Transitions are those the evaluated policy was trained on: real
@@ -142,7 +148,7 @@ def aggregate(results_dir: str | Path, confidence: float = 0.95) -> tuple[dict[s
     """
     pooled: dict[tuple[str, str], dict[str, Any]] = {}  # (method, environment) -> counts
     counted = set()  # (method, environment, seed): the warm start is evaluated in every DreamGym run of a seed
-    for run in finished_runs(results_dir):
+    for run in runs:
         for label, method in run.variant.rows.items():
             synthetic = run.synthetic_rl if run.from_synthetic_rl(label) else {}
             for environment, result in run.evaluated.get(label, {}).items():
@@ -235,8 +241,7 @@ def runs_table(runs: list[Run]) -> str:
     is what they took when they ran."""
     rows = []
     for run in runs:
-        # a real-environment baseline's pipeline also ran synthetic RL (cached), but its policy never used it
-        synthetic = run.synthetic_rl if any(run.from_synthetic_rl(label) for label in run.variant.rows) else {}
+        synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
         rows.append([
             run.path.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
@@ -258,11 +263,11 @@ def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:
               ("sim_to_real", "real-environment RL: reward in the real games", "real transitions")]
     lines = {stage: [] for stage, _, _ in panels}
     for run in runs:
-        trains_synthetic = any(label.startswith("synthetic_") for label in run.variant.rows)
-        if trains_synthetic and run.iterations("synthetic_rl"):
-            lines["synthetic_rl"].append((run.path.name, run.iterations("synthetic_rl")))
-        if "sim-to-real" in run.variant.rows and run.iterations("sim_to_real"):
-            lines["sim_to_real"].append((run.path.name, run.iterations("sim_to_real")))
+        trained = {"synthetic_rl": run.uses_synthetic_rl, "sim_to_real": "sim-to-real" in run.variant.rows}
+        for stage in lines:
+            rows = run.iterations(stage) if trained[stage] else []
+            if rows:
+                lines[stage].append((run.path.name, rows))
     if not any(lines.values()):
         return None
     figure, axes = pyplot().subplots(1, 2, figsize=(10, 3.6))
@@ -287,7 +292,7 @@ def report(results_dir: str | Path, confidence: float = 0.95,
     """The study's metrics and markdown report, with its plots written into `results_dir`."""
     results_dir = Path(results_dir)
     runs = finished_runs(results_dir)
-    metrics, table = aggregate(results_dir, confidence)
+    metrics, table = aggregate(runs, confidence)
     bars = success_plot(metrics, results_dir / "results.png")
     curves = learning_curves_plot(runs, results_dir / "learning_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600

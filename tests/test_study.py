@@ -10,6 +10,7 @@ from components.evaluation import wilson_interval
 from components.study import (
     aggregate,
     claim_verdicts,
+    finished_runs,
     keep_run,
     report,
     run_overrides,
@@ -60,7 +61,7 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
                                           "synthetic_ppo": {tw: _evaluation(0, 6)}}, synthetic=40)
     (tmp_path / "no-retrieval-seed0.partial").mkdir()  # an unfinished run is not counted
 
-    metrics, table = aggregate(tmp_path)
+    metrics, table = aggregate(finished_runs(tmp_path))
 
     assert list(metrics) == ["SFT only", "DreamGym (GRPO)", "DreamGym-S2R (GRPO)", "GRPO in the real environment",
                              "DreamGym (PPO)"]
