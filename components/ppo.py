@@ -39,7 +39,9 @@ from components.replay_buffer import ReplayBuffer
 from components.rl import (
     RLResult,
     RLSettings,
+    checkpoint_number,
     iteration_record,
+    numbered_checkpoints,
     play_iteration,
     save_sidecars,
     save_trained_policy,
@@ -375,8 +377,7 @@ def load_checkpoint(checkpoint: Path, value_head: torch.nn.Linear, optimizer: to
 
 
 def prune_checkpoints(checkpoints: Path, keep: int) -> None:
-    found = sorted((p for p in checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                   key=lambda p: int(p.name.split("-")[-1]))
+    found = numbered_checkpoints(checkpoints)
     for old in found[:-keep] if keep > 0 else []:
         shutil.rmtree(old)
 
@@ -406,7 +407,7 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
     start = 0
     if resume is not None:
         load_checkpoint(resume, value_head, optimizer)
-        start = int(resume.name.split("-")[-1])
+        start = checkpoint_number(resume)
 
     started = time.monotonic()
     for iteration in range(start, settings.iterations):

@@ -201,16 +201,26 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Cur
     return log
 
 
+def checkpoint_number(checkpoint: Path) -> int:
+    """N of `checkpoint-N`: the iterations (GRPO: optimizer steps, one per iteration) it holds."""
+    return int(checkpoint.name.rsplit("-", 1)[-1])
+
+
+def numbered_checkpoints(checkpoints: Path) -> list[Path]:
+    """The `checkpoint-N` folders in `checkpoints`, oldest first."""
+    found = [p for p in checkpoints.glob("checkpoint-*") if p.name.rsplit("-", 1)[-1].isdigit()]
+    return sorted(found, key=checkpoint_number)
+
+
 def last_complete_checkpoint(checkpoints: Path, with_buffer: bool, at_most: int) -> Path | None:
     """The newest `checkpoint-N` with N <= `at_most` (the run's iterations) whose side-cars were written.
 
     Newer ones are removed: a crash mid-save left them, or they belong to a longer run than this one (a run cut to
     fewer iterations must not finish past its length, nor sim-to-real past its budget of real transitions).
     """
-    found = sorted((p for p in checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                   key=lambda p: int(p.name.split("-")[-1]))
+    found = numbered_checkpoints(checkpoints)
     while found:
-        beyond = int(found[-1].name.split("-")[-1]) > at_most
+        beyond = checkpoint_number(found[-1]) > at_most
         if not beyond and sidecars_complete(found[-1], with_buffer):
             return found[-1]
         log.warning("removing %s: %s", found[-1], "beyond this run's length" if beyond else "incomplete (a crash)")

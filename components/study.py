@@ -21,6 +21,7 @@ from typing import Any
 
 from components.config import ParamsError
 from components.evaluation import wilson_interval
+from components.files import atomic_directory
 from components.reports import markdown_table, pyplot, save_figure
 
 
@@ -78,19 +79,14 @@ def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[s
 
 
 def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Path = "metrics") -> Path:
-    """Copy a finished run's RUN_FILES and its record into `run_dir`, whole or not at all (a rerun skips it)."""
-    run_dir = Path(run_dir)
-    partial = run_dir.with_name(run_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    for file_name in RUN_FILES:
-        source = Path(metrics_dir) / file_name
-        if source.is_file():
-            shutil.copy(source, partial / file_name)
-    (partial / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    partial.rename(run_dir)
-    return run_dir
+    """Copy a finished run's RUN_FILES and its record into `run_dir`, whole or not at all (a rerun replaces it)."""
+    with atomic_directory(Path(run_dir), replace=True) as partial:
+        for file_name in RUN_FILES:
+            source = Path(metrics_dir) / file_name
+            if source.is_file():
+                shutil.copy(source, partial / file_name)
+        (partial / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return Path(run_dir)
 
 
 @dataclass(frozen=True)
@@ -126,7 +122,7 @@ class Run:
 
 
 def finished_runs(results_dir: str | Path) -> list[Run]:
-    """The runs in `results_dir` that finished (an unfinished `.partial` or unknown folder is not one)."""
+    """The runs in `results_dir` that finished (a crashed copy's temporary or an unknown folder is not one)."""
     known = {v.name: v for v in variants()}
     runs = []
     for path in sorted(Path(results_dir).glob("*-seed*")):

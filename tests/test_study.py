@@ -59,7 +59,7 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
     # the PPO run of seed 0 evaluates the same warm start again: its episodes are not counted twice
     _run(tmp_path, "dreamgym-ppo-seed0", {"sft_warm_start": {tw: _evaluation(1, 6)},
                                           "synthetic_ppo": {tw: _evaluation(0, 6)}}, synthetic=40)
-    (tmp_path / "no-retrieval-seed0.partial").mkdir()  # an unfinished run is not counted
+    (tmp_path / ".no-retrieval-seed0.k2x9a1").mkdir()  # a crashed copy's temporary (keep_run) is not a run
 
     metrics, table = aggregate(finished_runs(tmp_path))
 
@@ -123,13 +123,15 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
         "iteration,reward_mean,tasks\n1,0.0,tw-a\n2,0.5,tw-b\n")
     (metrics_dir / "sim_to_real_iterations.csv").write_text("iteration,reward_mean,env_transitions\n1,1.0,16\n")
     results = tmp_path / "results"
-    (results / "dreamgym-grpo-seed0.partial").mkdir(parents=True)  # left by a crash: replaced, never counted
+    (results / "dreamgym-grpo-seed0").mkdir(parents=True)  # an earlier copy of the run: replaced whole
+    (results / "dreamgym-grpo-seed0" / "stale.json").write_text("{}")
     record = {"run": "dreamgym-grpo-seed0", "profile": "quick", "commit": "e54f2c8abc", "seconds": 600.0,
               "params_set": {"seed": 0}}
 
     run_dir = keep_run(results / "dreamgym-grpo-seed0", record, metrics_dir)
 
     assert sorted(p.name for p in results.iterdir()) == ["dreamgym-grpo-seed0"]
+    assert not (run_dir / "stale.json").exists()
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("textworld")
 
 from components.contract import Trajectory  # noqa: E402
+from components.environments.base import Observation  # noqa: E402
 from components.environments.rollout import run_episode  # noqa: E402
 from components.environments.textworld_cooking import (  # noqa: E402
     ENVIRONMENT,
@@ -148,6 +149,21 @@ def test_random_policy_rarely_wins(env: TextWorldCooking, heldout: list) -> None
     malformed_steps = [step for step in steps if not step.info["valid_action"]]
     assert 0.1 < len(malformed_steps) / len(steps) < 0.4
     assert all(step.reward == 0 and not step.done for step in malformed_steps)
+
+
+def test_random_policy_weights_consequential_commands_up() -> None:
+    commands = ("eat red apple", "examine counter", "look", "inventory", "take knife", "open fridge",
+                "go north", "examine oven", "drop knife", "close fridge", "take cookbook")
+    observation = Observation("Recipe:\n...", commands)
+    draws = 4000
+
+    def eat_share(weight: float) -> float:
+        policy = random_policy(random.Random(0), malformed_share=0.0, consequential_weight=weight)
+        return sum(policy(None, observation, ()) == "eat red apple" for _ in range(draws)) / draws
+
+    # 1 of 11 drawn uniformly; at weight 4, 4 of 14.
+    assert eat_share(1.0) == pytest.approx(1 / 11, abs=0.02)
+    assert eat_share(4.0) == pytest.approx(4 / 14, abs=0.03)
 
 
 def test_malformed_commands_keep_the_words_and_letters() -> None:
