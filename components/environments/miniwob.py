@@ -6,7 +6,8 @@ Decisions callers rely on:
   (~0.1 s a task plus one browser start). Every state starts with the live utterance anyway.
 - State (never raw HTML): `Task: <utterance>`, then one line per visible leaf element in document order,
   `[ref] tag#id.class "text" value="..." checked focused` (parts only where present), and `text "..."` for bare text
-  without a ref (MiniWoB renumbers text nodes every step, so they cannot be targets). Refs are stable in an episode.
+  without a ref (MiniWoB renumbers text nodes every step, so they cannot be targets). Refs are stable in an episode,
+  numbered by the adapter in order of first appearance (MiniWoB's own numbering depends on timing).
 - Actions: `click [ref]`, `type [ref] "text"` (focus, select all, type: replaces the field's text), `clear [ref]`,
   `press "Enter"` / `press [ref] "Enter"` (a MiniWoB allowed key: Enter, Tab, ArrowDown, C-a, ...), `wait`
   (let late widgets such as autocomplete menus appear). `valid_actions` is None: typing is open-ended.
@@ -44,7 +45,7 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,6 +71,8 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage")
 DEBIAN_BINARIES = {"MINIWOB_CHROME_BINARY": "/usr/bin/chromium", "MINIWOB_CHROMEDRIVER": "/usr/bin/chromedriver"}
+SETTLE_POLL_S = 0.1  # after an action, the page is re-read this often until two reads agree (see _settled)
+SETTLE_MAX_S = 1.0
 RESET_TIMEOUT_S = 30.0  # page loads are slower than steps; a reset that hangs this long gets a fresh browser
 TEXT_INPUTS = ("input_text", "input_password", "input_email", "input_search", "input_number", "input_tel",
                "input_url", "textarea")
@@ -322,6 +325,7 @@ class MiniWoB(Environment):
         self._gym: _Gym | None = None
         self._utterance = ""
         self._elements: list[Element] = []
+        self._shown_refs: dict[int, int] = {}  # MiniWoB's ref -> the ref the agent sees, this episode (_shown)
         self._state = ""
         self._done = True
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
@@ -341,6 +345,7 @@ class MiniWoB(Environment):
                 if attempt:
                     raise
         self._done = False
+        self._shown_refs = {}
         self._observe(observation)
         return Observation(self._state)
 
@@ -384,7 +389,7 @@ class MiniWoB(Environment):
     def _start_episode(self, gym: _Gym, seed: int) -> dict[str, Any]:
         if self.episode_time_limit_s is not None:  # read by the page when the episode starts
             gym.instance.driver.execute_script(f"core.EPISODE_MAX_TIME = {int(self.episode_time_limit_s * 1000)};")
-        return gym.reset(seed=seed)[0]
+        return self._settled(gym, gym.reset(seed=seed)[0], {"done": False})[0]
 
     def _browser(self, name: str) -> _Gym:
         if self._gym is not None and self._gym.instance.died:
@@ -414,16 +419,17 @@ class MiniWoB(Environment):
         def key(name: str) -> Action:
             return gym.create_action(ActionTypes.PRESS_KEY, key=gym.action_space_config.allowed_keys.index(name))
 
+        page_ref = next((page for page, shown in self._shown_refs.items() if shown == command.ref), None)
         actions: list[Action]
         if command.verb == "click":
-            actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=command.ref)]
+            actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=page_ref)]
         elif command.verb in ("type", "clear"):
             typing = (gym.create_action(ActionTypes.TYPE_TEXT, text=command.text) if command.text
                       else key("<Backspace>"))
-            actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=command.ref), key("C-a"), typing]
+            actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=page_ref), key("C-a"), typing]
         elif command.verb == "press":
-            if command.ref is not None:
-                gym.instance.driver.execute_script(f"core.previousDOMInfo[{command.ref}].focus();")
+            if page_ref is not None:
+                gym.instance.driver.execute_script(f"core.previousDOMInfo[{page_ref}].focus();")
             actions = [key(command.text)]
         else:  # wait
             time.sleep(self.wait_s)
@@ -431,12 +437,45 @@ class MiniWoB(Environment):
         for action in actions[:-1]:
             gym.instance.perform(action, gym.action_space_config)
         observation, _, _, _, info = gym.step(actions[-1])
+        return self._settled(gym, observation, info)
+
+    def _settled(self, gym: _Gym, observation: dict[str, Any],
+                 info: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The page once its scripts stop changing it: an inbox fills in and an autocomplete menu is drawn just after
+        the reset or action returns, so a state read at once depended on timing (two collections of the same seed
+        differed in 8 of 66 episodes, and an expert once met a half-drawn inbox). Re-read every SETTLE_POLL_S until
+        two reads agree, at most SETTLE_MAX_S (a page with a live clock never settles)."""
+        instance = gym.instance
+        deadline = time.monotonic() + SETTLE_MAX_S
+        while not info["done"] and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)
+            info = {**info, **instance.get_metadata()}
+            if info["done"]:  # the page ended the episode by itself (a submit fired by the menu)
+                return instance.get_empty_observation(), info
+            again, _ = instance.get_observation(use_cached_fields=True)
+            if self._render(again) == self._render(observation):
+                break
+            observation = again
         return observation, info
+
+    def _render(self, observation: dict[str, Any]) -> str:
+        utterance = observation["utterance"] or self._utterance
+        return render_state(utterance, _elements_from_dom(observation["dom_elements"]))
 
     def _observe(self, observation: dict[str, Any]) -> None:
         self._utterance = observation["utterance"] or self._utterance
-        self._elements = _elements_from_dom(observation["dom_elements"])
+        self._elements = [self._shown(element) for element in _elements_from_dom(observation["dom_elements"])]
         self._state = render_state(self._utterance, self._elements)
+
+    def _shown(self, element: Element) -> Element:
+        """`element` under the ref the agent sees: refs are numbered in order of first appearance in the episode.
+
+        MiniWoB's own refs count every node the page ever created, and a widget redrawn on each keystroke (an
+        autocomplete menu) uses up a timing-dependent number of them, so the same episode showed `[14]` in one run
+        and `[11]` in the next."""
+        if element.ref is None:
+            return element
+        return replace(element, ref=self._shown_refs.setdefault(element.ref, len(self._shown_refs) + 1))
 
     def _failed_step(self, error: str, *, done: bool) -> StepResult:
         state = self._state + f"\nError: {error}"
