@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import difflib
 import io
+import math
 import typing
 import zoneinfo
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ParamsError(ValueError):
@@ -265,6 +266,19 @@ class SyntheticRLParams(Section):
     ppo: PPOParams
     curriculum: CurriculumParams
 
+    @model_validator(mode="after")
+    def _curriculum_can_play_its_tasks(self) -> SyntheticRLParams:
+        # An iteration plays at most floor(lambda * tasks_per_iteration) generated tasks (curriculum.py): at 0 the
+        # curriculum would generate tasks that are never played, and its ablation would change nothing.
+        curriculum = self.curriculum
+        if curriculum.enabled and math.floor(curriculum.max_generated_share * self.tasks_per_iteration + 1e-9) < 1:
+            share = curriculum.max_generated_share
+            fix = f"raise tasks_per_iteration to {math.ceil(1 / share - 1e-9)} or more, or " if share else ""
+            raise ValueError(f"the curriculum can never play a generated task: floor(curriculum.max_generated_share "
+                             f"{share} x tasks_per_iteration {self.tasks_per_iteration}) is 0; {fix}set "
+                             f"curriculum.enabled to false")
+        return self
+
 
 class SimToRealParams(Section):
     """RL in the real environments after synthetic RL; the rest of the RL settings are synthetic_rl's."""
@@ -434,6 +448,8 @@ def _describe(err: dict[str, Any]) -> str:
         close = difflib.get_close_matches(loc[-1], allowed, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(allowed)}"
         return f"unknown key '{key}' ({hint})"
+    if err["type"] == "value_error" and isinstance(err.get("input"), dict):  # a check across a section's keys
+        return f"'{key}': {err['msg'].removeprefix('Value error, ')}"
     expected = _expected_type(loc)
     if err["type"] == "missing":
         return f"missing key '{key}' (expected {expected})"
@@ -445,8 +461,11 @@ def _model_at(loc: list[str]) -> type[BaseModel]:
     model: type[BaseModel] = Params
     for part in loc:
         annotation = model.model_fields[part].annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
+        # an optional section (`LoraParams | None`) is a Union: look inside it for the model
+        for candidate in (annotation, *typing.get_args(annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
     return model
 
 

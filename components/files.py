@@ -33,6 +33,8 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
         try:
             os.rename(tmp, target)
         except OSError:
+            if old.exists():  # the swap failed halfway: put the old copy back rather than lose it
+                os.rename(old, target)
             if replace or not target.is_dir():
                 raise
         shutil.rmtree(old, ignore_errors=True)

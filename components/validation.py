@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,15 @@ def _read_jsonl(path: Path) -> list[RawRecord]:
                 records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
                     "invalid_json", "", f"not valid JSON ({error}); write one complete JSON object per line")))
                 continue
+            except ValueError:  # an integer literal over Python's 4300-digit limit: not a JSONDecodeError
+                records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
+                    "invalid_json", "", "a number with over 4300 digits, more than a JSON reader takes; "
+                                        "fix the value (keep exact big numbers as strings in info)")))
+                continue
+            except RecursionError:
+                records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
+                    "invalid_json", "", "objects or lists nested too deep to read; flatten the line's structure")))
+                continue
             problem = None if isinstance(value, dict) else Reason(
                 "not_an_object", "", f"a JSON {_json_type(value)}, not an object; "
                                      "each line must be one trajectory object")
@@ -154,10 +164,14 @@ def _types(prefix: str, obj: Any, fields: Iterable[str]) -> dict[str, str]:
 
 
 def _finite_or_inf(value: Any) -> float | None:
-    """Numbers as floats with NaN and infinities as +inf, so a range expectation flags them; others None."""
+    """Numbers as floats with NaN, infinities and integers too large for a float as +inf, so a range expectation
+    flags them; others None."""
     if _json_type(value) != "number":
         return None
-    return float(value) if math.isfinite(value) else math.inf
+    try:
+        return float(value) if math.isfinite(value) else math.inf
+    except OverflowError:  # a huge JSON integer literal
+        return math.inf
 
 
 def _text(value: Any) -> str | None:
@@ -167,14 +181,25 @@ def _text(value: Any) -> str | None:
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _not_utf8(obj: dict[str, Any], names: Iterable[str]) -> str | None:
+def _not_utf8(obj: Any, names: Iterable[str], prefix: str = "") -> str | None:
+    """Paths of the text in these fields, nested keys and values included, that is not valid UTF-8."""
+    if not isinstance(obj, dict):
+        return None
     bad = []
-    for name in names:
-        try:
-            if isinstance(obj.get(name), str):
-                obj[name].encode("utf-8")
-        except UnicodeEncodeError:
-            bad.append(name)
+    # A queue, not recursion: user objects may nest as deep as the JSON parser allows.
+    pending = deque((f"{prefix}{name}", obj[name]) for name in names if name in obj)
+    while pending:
+        path, value = pending.popleft()
+        if isinstance(value, str) and _text(value) != value:
+            bad.append(path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{_text(key) or key}"
+                if isinstance(key, str) and _text(key) != key:
+                    bad.append(f"{child} (the key)")
+                pending.append((child, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{number}]", item) for number, item in enumerate(value))
     return ", ".join(bad) or None
 
 
@@ -182,7 +207,7 @@ def _unknown(obj: Any, known: Iterable[str]) -> str | None:
     if not isinstance(obj, dict):
         return None
     extra = sorted(set(obj) - set(known))
-    return ", ".join(extra) or None
+    return ", ".join(map(str, map(_text, extra))) or None  # escaped: a lone surrogate in a name breaks tables
 
 
 def _tables(records: list[RawRecord]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -203,8 +228,8 @@ def _tables(records: list[RawRecord]) -> tuple[pd.DataFrame, pd.DataFrame]:
         row["n_steps"] = len(steps) if isinstance(steps, list) else None
         row["unknown_fields"] = _unknown(value, TRAJECTORY_FIELDS)
         row["task.unknown_fields"] = _unknown(task, [*TASK_FIELDS, "parameters"])
-        row["not_utf8"] = _not_utf8(value, ["trajectory_id", "source"]) or (
-            _not_utf8(task, TASK_FIELDS) if isinstance(task, dict) else None)
+        row["not_utf8"] = ", ".join(filter(None, [_not_utf8(value, ["trajectory_id", "source"]),
+                                                  _not_utf8(task, [*TASK_FIELDS, "parameters"], "task.")])) or None
         trajectory_rows.append(row)
         if not isinstance(steps, list):
             continue
@@ -221,7 +246,7 @@ def _tables(records: list[RawRecord]) -> tuple[pd.DataFrame, pd.DataFrame]:
             srow["state"] = _text(step.get("state")) if isinstance(step, dict) else None
             srow["previous_next_state"] = _text(previous.get("next_state")) if isinstance(previous, dict) else None
             srow["unknown_fields"] = _unknown(step, [*STEP_FIELDS, "info"])
-            srow["not_utf8"] = _not_utf8(step, TEXT_LIMITED) if isinstance(step, dict) else None
+            srow["not_utf8"] = _not_utf8(step, [*TEXT_LIMITED, "info"])
             step_rows.append(srow)
     return _object_frame(trajectory_rows), _object_frame(step_rows)
 
@@ -270,7 +295,7 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
         *_type_rules("trajectories", "task.", TASK_FIELDS, "task."),
         Rule("wrong_type", "trajectories", "task.parameters",
              E.ExpectColumnValuesToBeInSet(column="task.parameters__type",
-                                           value_set=["object", MISSING, NOT_APPLICABLE]),
+                                           value_set=["object", MISSING, NULL, NOT_APPLICABLE]),
              lambda row: f"optional parameters must be an object, got a {row['task.parameters__type']}"),
         Rule("unknown_field", "trajectories", "", E.ExpectColumnValuesToBeNull(column="unknown_fields"),
              lambda row: f"unknown field(s) {row['unknown_fields']}; the contract has {', '.join(TRAJECTORY_FIELDS)} "
@@ -285,10 +310,10 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
              lambda row: f"{row['source']!r} is not a source; use one of {', '.join(SOURCES)}"),
         Rule("duplicate_id", "trajectories", "trajectory_id", E.ExpectColumnValuesToBeUnique(column="trajectory_id"),
              lambda row: f"{row['trajectory_id']!r} appears more than once in the input; ids must be unique "
-                         "(the first record with it was kept), give this one its own id"),
+                         "(only the first valid record with it is kept), give this one its own id"),
         Rule("non_finite", "trajectories", "return",
              E.ExpectColumnValuesToBeBetween(column="return_value", min_value=-1e308, max_value=1e308),
-             lambda row: "return is NaN or infinite; give the finite sum of rewards"),
+             lambda row: "return is NaN, infinite or too large; give the finite sum of rewards"),
         Rule("empty_text", "trajectories", "trajectory_id",
              E.ExpectColumnValueLengthsToBeBetween(column="trajectory_id", min_value=1),
              lambda row: "empty id; give each trajectory a non-empty unique id"),
@@ -305,7 +330,7 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
              lambda row: f"a step must be an object, got a {row['step__type']}"),
         *_type_rules("steps", "", STEP_FIELDS, "steps[{step}]."),
         Rule("wrong_type", "steps", "steps[{step}].info",
-             E.ExpectColumnValuesToBeInSet(column="info__type", value_set=["object", MISSING, NOT_APPLICABLE]),
+             E.ExpectColumnValuesToBeInSet(column="info__type", value_set=["object", MISSING, NULL, NOT_APPLICABLE]),
              lambda row: f"optional info must be an object, got a {row['info__type']}"),
         Rule("unknown_field", "steps", "steps[{step}]", E.ExpectColumnValuesToBeNull(column="unknown_fields"),
              lambda row: f"unknown field(s) {row['unknown_fields']}; a step has {', '.join(STEP_FIELDS)}, info "
@@ -313,7 +338,7 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
         Rule("reward_out_of_range", "steps", "steps[{step}].reward",
              E.ExpectColumnValuesToBeBetween(column="reward_value", min_value=low, max_value=high),
              lambda row: (f"{row['reward_value']} is outside [{low}, {high}]" if math.isfinite(row["reward_value"])
-                          else "reward is NaN or infinite")
+                          else "reward is NaN, infinite or too large")
              + "; rescale rewards or set data.reward_range in params.yaml"),
         Rule("done_before_last_step", "steps", "steps[{step}].done",
              E.ExpectColumnValuesToBeInSet(column="done", value_set=[False], row_condition=Column("is_last") == False),  # noqa: E712
@@ -396,8 +421,8 @@ def validate_records(records: list[RawRecord], limits: Limits, known: dict[str, 
         index, number = steps.at[row, "record"], steps.at[row, "step"]
         reasons.setdefault(index, []).extend(
             Reason(r.name, r.field.format(step=number), r.explain(steps.loc[row])) for r in broken)
+    _accept_identical_known(parsed, reasons, known)  # first: an identical copy of a stored record is valid
     _keep_first_of_duplicates(parsed, reasons)
-    _accept_identical_known(parsed, reasons, known)
     for index, record in enumerate(parsed):
         if reasons.get(index):
             report.rejected.append(Rejected(record, reasons[index]))
@@ -408,23 +433,23 @@ def validate_records(records: list[RawRecord], limits: Limits, known: dict[str, 
 
 
 def _keep_first_of_duplicates(parsed: list[RawRecord], reasons: dict[int, list[Reason]]) -> None:
-    """The uniqueness expectation flags every copy of an id; the first copy is kept unless it broke other rules."""
-    seen: set[str] = set()
+    """The uniqueness expectation flags every copy of an id; the first copy that broke no other rule is kept."""
+    kept: set[str] = set()
     for index, record in enumerate(parsed):
         own = reasons.get(index, [])
-        if not any(reason.rule == "duplicate_id" for reason in own):
+        if not own or any(reason.rule != "duplicate_id" for reason in own):
             continue
         trajectory_id = record.value.get("trajectory_id")
-        if trajectory_id not in seen:
-            seen.add(trajectory_id)
-            reasons[index] = [reason for reason in own if reason.rule != "duplicate_id"]
+        if trajectory_id not in kept:
+            kept.add(trajectory_id)
+            reasons[index] = []
 
 
 def _accept_identical_known(parsed: list[RawRecord], reasons: dict[int, list[Reason]],
                             known: dict[str, dict[str, Any]]) -> None:
     for index, record in enumerate(parsed):
         own = reasons.get(index, [])
-        if [reason.rule for reason in own] != ["already_onboarded"]:
+        if {reason.rule for reason in own} - {"duplicate_id"} != {"already_onboarded"}:
             continue
         if Trajectory.from_dict(record.value).to_dict() == known[record.value["trajectory_id"]]:
-            reasons[index] = []
+            reasons[index] = [reason for reason in own if reason.rule != "already_onboarded"]

@@ -106,3 +106,25 @@ def test_profiles_switch_params_and_keep_comments(tmp_path, monkeypatch):
     with pytest.raises(ParamsError, match="synthetic_rl.iterations"):
         use_profile(tmp_path / "bad.yaml")
     assert (tmp_path / "params.yaml").read_text() == before  # a bad profile writes nothing
+
+
+def test_errors_inside_an_optional_section_name_its_own_keys():
+    tree = raw()
+    assert tree["experience_model"]["training"]["lora"] is not None  # the section is `LoraParams | None`
+    tree["experience_model"]["training"]["lora"]["rr"] = 8
+    with pytest.raises(ParamsError, match=r"unknown key 'experience_model.training.lora.rr' \(did you mean 'r'\?\)"):
+        parse_params(tree)
+    tree = raw()
+    tree["experience_model"]["training"]["lora"]["alpha"] = "32"
+    with pytest.raises(ParamsError, match=r"'experience_model.training.lora.alpha' expects int, got str '32'"):
+        parse_params(tree)
+
+
+def test_a_curriculum_that_could_never_play_a_generated_task_is_refused():
+    tree = raw()
+    tree["synthetic_rl"]["tasks_per_iteration"] = 1  # floor(0.5 x 1) = 0 generated tasks an iteration
+    with pytest.raises(ParamsError, match=r"'synthetic_rl': the curriculum can never play a generated task.*"
+                                          r"raise tasks_per_iteration to 2 or more, or set curriculum.enabled"):
+        parse_params(tree)
+    tree["synthetic_rl"]["curriculum"]["enabled"] = False  # the ablation: nothing to play, nothing refused
+    assert parse_params(tree).synthetic_rl.tasks_per_iteration == 1

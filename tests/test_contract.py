@@ -30,3 +30,28 @@ def test_transition_view_with_bounded_history():
     assert views[3].done and not views[2].done
     assert all(v.next_state == s.next_state and math.isclose(v.reward, s.reward)
                for v, s in zip(views, trajectory.steps))
+
+
+def test_atomic_replace_restores_the_old_directory_when_the_swap_fails(tmp_path, monkeypatch):
+    import os
+
+    from components.files import atomic_directory
+
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "weights").write_text("old")
+    renames = []
+
+    def failing_second_rename(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:
+            raise OSError("disk full")
+        real_rename(src, dst)
+
+    real_rename = os.rename
+    monkeypatch.setattr(os, "rename", failing_second_rename)
+    with pytest.raises(OSError, match="disk full"):
+        with atomic_directory(target, replace=True) as tmp:
+            (tmp / "weights").write_text("new")
+    assert (target / "weights").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary or .old-* copy left

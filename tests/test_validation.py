@@ -137,3 +137,83 @@ def test_parse_failures(tmp_path):
     report = validate_records(records, LIMITS)
     assert len(report.accepted) == 1
     assert {r.record.line: r.record.text is not None for r in report.rejected} == {2: True, 3: False, 4: True}
+
+
+def test_lone_surrogates_in_info_and_parameters_are_quarantined_by_path(tmp_path):
+    from components.contract import write_trajectories
+
+    in_info, in_key, good = valid_record(6), valid_record(7), valid_record(8)
+    in_info["steps"][1]["info"] = {"n": ["ok", "\ud800"]}
+    in_key["task"]["parameters"] = {"deep": {"\udc80k": 1}}
+    records = [RawRecord("a.jsonl", line, value=v) for line, v in enumerate([in_info, in_key, good], start=1)]
+    report = validate_records(records, LIMITS)
+    assert {x.record.line: [str(r) for r in x.reasons] for x in report.rejected} == {
+        1: ["steps[1]: not valid UTF-8 text (lone surrogates) in info.n[1]; fix the text encoding"],
+        2: ["not valid UTF-8 text (lone surrogates) in task.parameters.deep.\\udc80k (the key); "
+            "fix the text encoding"]}
+    write_trajectories([t for _, t in report.accepted], tmp_path / "t.jsonl")  # no UnicodeEncodeError
+
+
+def test_lone_surrogate_in_an_unknown_field_name_prints(tmp_path):
+    from components.onboarding import OnboardingResult
+
+    record = valid_record(9)
+    record["\ud800x"] = 1
+    report = validate_records([RawRecord("a.jsonl", 1, value=record)], LIMITS)
+    assert [r.rule for r in report.rejected[0].reasons] == ["unknown_field"]
+    summary = OnboardingResult(tmp_path, ["a.jsonl"], 1, 0, 0, rejected=report.rejected).summary()
+    assert "\\ud800x" in summary.encode("utf-8").decode()  # encodes: print() does not raise
+
+
+def test_numbers_too_large_are_rejected_not_crashing(tmp_path):
+    record = valid_record(10)
+    record["steps"][0]["reward"] = 10 ** 400
+    report = validate_records([RawRecord("a.jsonl", 1, value=record)], LIMITS)
+    assert [(r.rule, r.field) for r in report.rejected[0].reasons] == [("reward_out_of_range", "steps[0].reward")]
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps(valid_record(11)) + '\n{"return": ' + "1" * 4301 + "}\n"
+                    + '{"info": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    records = read_raw_records(path)
+    assert [(r.line, r.problem.rule if r.problem else None) for r in records] == [
+        (1, None), (2, "invalid_json"), (3, "invalid_json")]
+    assert "4300 digits" in records[1].problem.message and "nested too deep" in records[2].problem.message
+
+
+def test_duplicate_ids_keep_the_first_valid_copy():
+    broken, valid, later = valid_record(12), valid_record(12), valid_record(12)
+    broken["success"] = "yes"
+    later["steps"][0]["info"] = {"copy": 3}
+    records = [RawRecord("a.jsonl", line, value=v) for line, v in enumerate([broken, valid, later], start=1)]
+    report = validate_records(records, LIMITS)
+    assert [r.line for r, _ in report.accepted] == [2]
+    assert {x.record.line: sorted(r.rule for r in x.reasons) for x in report.rejected} == {
+        1: ["duplicate_id", "wrong_type"], 3: ["duplicate_id"]}
+    assert "first valid record" in report.rejected[1].reasons[0].message
+
+
+def test_duplicate_of_an_identical_stored_record_is_kept_once():
+    stored = valid_record(13)
+    changed = copy.deepcopy(stored)
+    changed["success"] = not changed["success"]
+    records = [RawRecord("a.jsonl", 1, value=copy.deepcopy(stored)), RawRecord("a.jsonl", 2, value=changed)]
+    report = validate_records(records, LIMITS, known={stored["trajectory_id"]: stored})
+    assert [r.line for r, _ in report.accepted] == [1]
+    assert sorted(r.rule for r in report.rejected[0].reasons) == ["already_onboarded", "duplicate_id"]
+
+
+def test_null_info_and_parameters_are_empty(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from components.contract import PARQUET_SCHEMA
+
+    record = valid_record(14)
+    record["task"]["parameters"] = None
+    for step in record["steps"]:
+        step["info"] = None
+    path = tmp_path / "nullable.parquet"  # a Parquet writer with nullable info/parameters columns
+    pq.write_table(pa.Table.from_pylist([record], schema=PARQUET_SCHEMA), path)
+    report = validate_records(read_raw_records(path), LIMITS)
+    assert not report.rejected
+    (_, trajectory), = report.accepted
+    assert trajectory.task.parameters == {} and all(step.info == {} for step in trajectory.steps)
