@@ -32,6 +32,7 @@ from components.rl import (
     RLSettings,
     iteration_record,
     play_iteration,
+    prune_checkpoints,
     save_sidecars,
     save_trained_policy,
     start_run,
@@ -158,10 +159,12 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows, curriculum)
+            prune_checkpoints(checkpoints, settings.save_total_limit)
 
     peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
+    # save_total_limit None: Trainer would prune before on_save writes the side-cars (see prune_checkpoints)
     args = grpo_config(settings, checkpoints, save_strategy="steps", save_steps=settings.save_every,
-                       save_total_limit=settings.save_total_limit)
+                       save_total_limit=None)
     trainer = GRPOTrainer(model=model, reward_funcs=[episode_return], args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout_func,
                           callbacks=[IterationLog()])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import logging
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,8 +40,8 @@ from components.rl import (
     RLSettings,
     checkpoint_number,
     iteration_record,
-    numbered_checkpoints,
     play_iteration,
+    prune_checkpoints,
     save_sidecars,
     save_trained_policy,
     start_run,
@@ -374,12 +373,6 @@ def load_checkpoint(checkpoint: Path, value_head: torch.nn.Linear, optimizer: to
     value_head.load_state_dict(torch.load(checkpoint / VALUE_HEAD, map_location=device))
     optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER, map_location=device))
     set_rng_states(torch.load(checkpoint / RNG, weights_only=False))  # our own file: Python and numpy states
-
-
-def prune_checkpoints(checkpoints: Path, keep: int) -> None:
-    found = numbered_checkpoints(checkpoints)
-    for old in found[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
 
 
 # --- the training loop ---------------------------------------------------------------------------------------------

@@ -212,6 +212,13 @@ def numbered_checkpoints(checkpoints: Path) -> list[Path]:
     return sorted(found, key=checkpoint_number)
 
 
+def prune_checkpoints(checkpoints: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints. Called after a checkpoint's side-cars are written: pruning before that
+    (as Trainer's save_total_limit does) could leave no complete checkpoint if the run died mid-save."""
+    for old in numbered_checkpoints(checkpoints)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+
+
 def last_complete_checkpoint(checkpoints: Path, with_buffer: bool, at_most: int) -> Path | None:
     """The newest `checkpoint-N` with N <= `at_most` (the run's iterations) whose side-cars were written.
 

@@ -453,7 +453,8 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     metrics = {"algorithm": settings.algorithm, "iterations": result.iterations, "tasks": len(tasks),
                "episodes": len(rows) * settings.tasks_per_iteration * settings.group_size,
                "synthetic_transitions": sum(row["synthetic_transitions"] for row in rows),
-               "buffer_size": len(buffer), "experience_model": stats.as_dict(), "curriculum": curriculum.summary(),
+               "buffer_size": len(buffer), "experience_model": _predictions_of_run(rows, stats),
+               "curriculum": curriculum.summary(),
                "final": {key: rows[-1].get(key) for key in ("reward_mean", "success_rate", "kl")} if rows else {},
                "seconds": round(result.seconds, 1), "resumed": result.resumed_from is not None}
     shown = ["iteration", "reward_mean", "success_rate", "kl", "entropy", "turns_mean", "policy_tokens_mean",
@@ -464,12 +465,22 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
             f"{settings.tasks_per_iteration} per iteration x {settings.group_size} episodes, at most "
             f"{params.policy.max_turns} turns). {metrics['synthetic_transitions']} synthetic transitions were "
             f"generated and appended to the replay buffer (now {len(buffer)}); the experience model fell back on "
-            f"{stats.fallbacks} of {stats.requests} predictions. {_curriculum_sentence(curriculum)} "
+            f"{metrics['experience_model']['fallbacks']} of {metrics['experience_model']['requests']} predictions. "
+            f"{_curriculum_sentence(curriculum)} "
             f"Wall time {result.seconds:.0f} s.\n\n"
             "![learning curves](synthetic_rl.png)\n\n"
             + markdown_table(shown, [[row.get(key) for key in shown] for row in rows]))
     write_stage_outputs("synthetic_rl", metrics, text, root)
     return metrics
+
+
+def _predictions_of_run(rows: list[dict[str, Any]], stats: Any) -> dict[str, Any]:
+    """The experience model's predictions and fallbacks over the whole run, from the iteration log (one prediction
+    per synthetic step): `stats` counts only this process's, which after a resume is the iterations since it."""
+    requests = sum(row["env_transitions"] for row in rows)
+    fallbacks = sum(row["fallback_steps"] for row in rows)
+    return {"requests": requests, "fallbacks": fallbacks, "fallback_rate": fallbacks / requests if requests else 0.0,
+            "this_process": stats.as_dict()}
 
 
 def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:

@@ -16,7 +16,7 @@ from components.grpo import train_grpo
 from components.models import build_tiny_causal_lm, load_causal_lm
 from components.policy import PolicyFormat
 from components.replay_buffer import FaissReplayBuffer
-from components.rl import CURRICULUM_FILE, LOG_FILE, RLSettings, read_iteration_log
+from components.rl import CURRICULUM_FILE, LOG_FILE, RLSettings, read_iteration_log, sidecars_complete
 from components.rollouts import SyntheticBatch
 from components.sft import LoraSettings
 from tests.hashing_encoder import HashingEncoder
@@ -75,6 +75,10 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
                         PolicyFormat(), replace(SETTINGS, iterations=3), tmp_path / "rl", cache_dir=tmp_path)
     assert longer.resumed_from and [row["iteration"] for row in longer.log] == [1, 2, 3]
     assert longer.log[:2] == again.log
+    # pruned to save_total_limit (2), and only once the newest checkpoint's side-cars were written
+    kept = sorted((tmp_path / "rl" / "checkpoints").glob("checkpoint-*"))
+    assert [p.name for p in kept] == ["checkpoint-2", "checkpoint-3"]
+    assert all(sidecars_complete(p, with_buffer=True) for p in kept)
 
 
 def test_grpo_rerun_of_a_finished_run_trains_nothing_even_mid_epoch(policy_dir, tmp_path):
