@@ -2,10 +2,12 @@
 
 The mix gives the seed set both successes and failures, which the experience model needs to learn rewards.
 Deterministic: task lists, policies' random choices and trajectory ids all derive from params. Resumable: each
-finished episode is appended to a progress file first, so a crash loses at most the episode in flight.
+finished episode is appended to a progress file first, so a crash loses at most the episode in flight; the
+progress is resumed only by the same collection (same params, same collection and environment code).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 from components.contract import Trajectory, write_trajectories
 from components.environments.registry import has_adapter, real_environment
 from components.environments.rollout import run_episode
+from components.files import sha256_file
 
 SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "random": "random"}
 
@@ -28,7 +31,7 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
     tasks = kind.make_tasks(params.environments, "train", settings.train_tasks, params.seed)
     plan = [(task, policy, repeat) for task in tasks for policy, count in settings.episodes.model_dump().items()
             for repeat in range(count)]
-    done = _load_progress(progress_path)
+    done = _load_progress(progress_path, _fingerprint(params))
     start, fresh = time.monotonic(), 0
     env = kind.open(params.environments)
     try:
@@ -56,11 +59,24 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
     collected = [done[f"{task.task_id}-{policy}-{repeat}"] for task, policy, repeat in plan]
     write_trajectories(collected, out_path)
     progress_path.unlink()
+    progress_path.with_suffix(".fingerprint").unlink()
     return collected
 
 
-def _load_progress(path: Path) -> dict[str, Trajectory]:
+def _fingerprint(params) -> str:
+    code = Path(__file__).parent
+    sources = [code / "collection.py", *sorted((code / "environments").glob("*.py"))]
+    payload = json.dumps([params.seed, params.environments.model_dump(), params.collect_seed.model_dump(),
+                          [sha256_file(source) for source in sources]], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _load_progress(path: Path, fingerprint: str) -> dict[str, Trajectory]:
     path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = path.with_suffix(".fingerprint")
+    if path.exists() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
+        path.unlink()  # another collection's episodes (other params or code): resuming them would mix the two
+    stamp.write_text(fingerprint + "\n")
     if not path.exists():
         return {}
     done = {}
