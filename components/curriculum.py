@@ -20,6 +20,7 @@ it and a resumed run makes the same choices.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -98,6 +99,14 @@ def parse_instruction(reply: str) -> str | None:
 def normalised(text: str) -> str:
     """Lower-case words only: two instructions that differ in case, spacing or punctuation are the same task."""
     return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def task_key(task: Task, instruction: str) -> str:
+    """What makes a task new: its world (environment and parameters, which fix the game or the initial state) and
+    its instruction. Every TextWorld game has the same instruction, so the instruction alone would count one
+    variation written for two games as a duplicate."""
+    world = {k: v for k, v in task.parameters.items() if k not in ("parent_task_id", "generated_at_iteration")}
+    return json.dumps([task.environment, world, normalised(instruction)], sort_keys=True, default=str)
 
 
 # ---- the curriculum -------------------------------------------------------------------------------------------
@@ -205,29 +214,30 @@ class Curriculum:
                 self.reject("", "backend_error")
             return []
 
-        seen = {normalised(t.instruction) for t in self.tasks_by_id.values()}
+        seen = {task_key(t, t.instruction) for t in self.tasks_by_id.values()}
         accepted = []
         for parent, reply in zip(parents, replies, strict=True):
             instruction = parse_instruction(reply)
-            reason = self.check(instruction, seen)
+            reason = self.check(instruction, seen, parent)
             if reason is not None:
                 self.reject(reply, reason)
                 continue
-            seen.add(normalised(instruction))
+            seen.add(task_key(parent, instruction))
             accepted.append(self.add_generated(parent, instruction, iteration))
         self.counts["accepted"] += len(accepted)
         log.info("curriculum: iteration %d, %d of %d variations accepted", iteration, len(accepted), len(prompts))
         return accepted
 
-    def check(self, instruction: str | None, seen: set[str]) -> str | None:
-        """Why a parsed instruction is rejected, or None if it is a valid new task."""
+    def check(self, instruction: str | None, seen: set[str], parent: Task) -> str | None:
+        """Why a parsed instruction for a variation of `parent` is rejected, or None if it is a valid new task.
+        `seen`: the `task_key`s of the tasks so far."""
         if instruction is None:
             return "unparseable"
         if not normalised(instruction):
             return "empty"
         if len(instruction) > self.settings.max_instruction_chars:
             return "too_long"
-        if normalised(instruction) in seen:
+        if task_key(parent, instruction) in seen:
             return "duplicate"
         return None
 

@@ -148,7 +148,8 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
             step_seconds = time.monotonic() - self.step_start
             update = {ours: logs[theirs] for theirs, ours in _TRL_METRICS.items() if theirs in logs}
             fields = pending["fields"]
-            optimisation_s = step_seconds - stats.policy_seconds - stats.env_seconds - fields["curriculum_s"]
+            optimisation_s = (step_seconds - stats.policy_seconds - stats.env_seconds - fields["buffer_s"]
+                              - fields["curriculum_s"])
             rows.append(iteration_record(state.global_step, pending.pop("episodes"), stats, buffer, **fields,
                                          optimisation_s=round(optimisation_s, 2), **update))
             row, done = rows[-1], state.global_step - self.first

@@ -129,12 +129,14 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
     episodes = rollout(model, tokenizer, make_batch(), tasks, fmt, max_turns=settings.max_turns,
                        max_action_tokens=settings.max_action_tokens, max_tokens=settings.max_tokens,
                        temperature=settings.temperature, stats=stats)
-    added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
     started = time.monotonic()
+    added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
+    buffer_seconds, started = time.monotonic() - started, time.monotonic()
     curriculum.observe(tasks, [e.return_ for e in episodes])
     if generator is not None:
         curriculum.propose(generator, iteration + 1)
     fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,
+              "buffer_s": round(buffer_seconds, 2),  # embedding the new transitions into the replay buffer
               "curriculum_s": round(time.monotonic() - started, 2),
               "tasks": " ".join(t.task_id for t in tasks[::settings.group_size]),
               "generated_tasks_played": sum("parent_task_id" in t.parameters for t in tasks[::settings.group_size]),

@@ -281,3 +281,15 @@ def test_observe_with_clusters_pools_episodes_of_similar_tasks():
     restored = Curriculum([a, b, c], CurriculumSettings(top_tasks=3))
     restored.load_state_dict(json.loads(json.dumps(curriculum.state_dict())))
     assert restored.clusters == curriculum.clusters and restored.cluster_variance == {0: 0.25, 1: 0.0}
+
+
+def test_one_variation_written_for_two_games_is_two_tasks():
+    tasks = make_tasks(2)
+    curriculum = Curriculum(tasks, CurriculumSettings(top_tasks=2, variations_per_task=1))
+    play(curriculum, {"tw-0": [1, 0], "tw-1": [0, 1]})
+    same = "<instruction>Cook the meal without a knife.</instruction>"
+    accepted = curriculum.propose(VariationBackend([same, same]), iteration=1)
+    # another game (here another initial state) makes another task; the same game twice would be a duplicate
+    assert sorted(t.parameters["parent_task_id"] for t in accepted) == ["tw-0", "tw-1"]
+    assert curriculum.propose(VariationBackend([same, same]), iteration=2) == []
+    assert curriculum.summary()["rejected_duplicate"] == 2
