@@ -18,6 +18,8 @@ import pyarrow.parquet as pq
 
 SOURCES = ("expert", "random", "policy", "synthetic", "human")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+# The versioned data directory (onboarding writes it): accepted trajectories, their distinct tasks, rejected records
+TRAJECTORIES, TASKS, QUARANTINE = "trajectories.jsonl", "tasks.jsonl", "quarantine.jsonl"
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.contract import read_records, write_records
+from components.contract import QUARANTINE, TASKS, TRAJECTORIES, read_records, write_records
 from components.validation import Limits, Rejected, read_raw_records, validate_records
-
-TRAJECTORIES, TASKS, QUARANTINE = "trajectories.jsonl", "tasks.jsonl", "quarantine.jsonl"
 
 
 @dataclass
@@ -28,6 +27,7 @@ class OnboardingResult:
     added: int  # new trajectories stored
     unchanged: int  # identical to a trajectory already stored
     replaced: int = 0  # stored trajectories overwritten (only with replace=True)
+    removed: int = 0  # stored trajectories of an earlier collection that this one no longer holds (superseded)
     rejected: list[Rejected] = field(default_factory=list)
     version_note: str = ""
 
@@ -44,6 +44,8 @@ class OnboardingResult:
             f"  accepted  {accepted:>6}  ({self.added} new, {self.unchanged} already stored{replaced})",
             f"  rejected  {len(self.rejected):>6}{kept}",
         ]
+        if self.removed:
+            lines.append(f"  removed   {self.removed:>6}  (an earlier collection's, no longer collected)")
         if self.rejected:
             counts = Counter(reason.rule for rejected in self.rejected for reason in rejected.reasons)
             lines.append("Most common reasons:")
@@ -61,12 +63,14 @@ class OnboardingResult:
 
 
 def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, version: bool = True,
-            replace: bool = False) -> OnboardingResult:
+            replace: bool = False, superseded: Callable[[dict[str, Any]], bool] | None = None) -> OnboardingResult:
     """Validate `paths`, merge accepted trajectories into `data_dir`, quarantine the rest, `dvc add` the dir.
 
     A record whose id is already stored with other content is quarantined, unless `replace` (the pipeline's own
-    re-collection of a task, which supersedes the earlier episode). Raises `UnusableInput` before writing
-    anything when a file is missing or not JSONL/Parquet.
+    re-collection of a task, which supersedes the earlier episode). `superseded` marks the stored records the
+    input replaces as a whole (the pipeline's earlier collection): those it no longer holds are removed, so data/
+    follows the collection's params instead of keeping the union of every collection. Raises `UnusableInput`
+    before writing anything when a file is missing or not JSONL/Parquet.
     """
     data_dir = Path(data_dir)
     records = [record for path in paths for record in read_raw_records(path)]  # every file read before any write
@@ -81,13 +85,17 @@ def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, versi
         elif stored[trajectory.trajectory_id] != record:
             replaced += 1
         stored[trajectory.trajectory_id] = record
+    incoming = {trajectory.trajectory_id for _, trajectory in report.accepted}
+    stale = [key for key, record in stored.items() if superseded and superseded(record) and key not in incoming]
+    for key in stale:
+        del stored[key]
     ordered = [stored[key] for key in sorted(stored)]
     write_records(ordered, data_dir / TRAJECTORIES)
     write_records(_distinct_tasks(ordered), data_dir / TASKS)
     _append_quarantine(data_dir / QUARANTINE, report.rejected)
 
     result = OnboardingResult(data_dir, [str(p) for p in paths], len(records), added,
-                              len(report.accepted) - added - replaced, replaced, report.rejected)
+                              len(report.accepted) - added - replaced, replaced, len(stale), report.rejected)
     if version:
         result.version_note = version_with_dvc(data_dir)
     return result

@@ -15,6 +15,8 @@ from typing import Any
 from components.artifacts import open_artifact_store
 from components.config import Params
 from components.contract import (
+    QUARANTINE,
+    TRAJECTORIES,
     Trajectory,
     is_heldout_task,
     read_trajectories,
@@ -22,7 +24,7 @@ from components.contract import (
     write_records,
     write_trajectories,
 )
-from components.onboarding import QUARANTINE, TRAJECTORIES, OnboardingResult, onboard
+from components.onboarding import OnboardingResult, onboard
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
@@ -647,7 +649,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult | None:
     """Onboard the collected seed set (collect_seed's output) into the versioned data directory; None when there
     is nothing to collect: every configured environment is a seed-only domain, whose data the user onboarded."""
-    from components.collection import collectable
+    from components.collection import collectable, is_collected
 
     root = Path(root)
     paths = sorted((root / params.collect_seed.out_dir).glob("*.jsonl"))
@@ -655,9 +657,10 @@ def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResul
         return None
     if not paths:
         raise StageError(f"nothing collected in {params.collect_seed.out_dir}/; run `dvc repro collect_seed` first")
-    # replace: re-collecting a task (after a param change) supersedes the episode collected before; MiniWoB pages
-    # can differ in DOM numbering from run to run, so an "identical" re-collection is not guaranteed
-    return onboard(paths, root / params.data.dir, Limits.of(params.data), replace=True)
+    # replace: re-collecting a task after a param or code change supersedes the episode collected before;
+    # superseded: an earlier collection's episodes that this one no longer holds (fewer tasks, another
+    # environment list) leave data/, whose collected part then always matches collect_seed's params
+    return onboard(paths, root / params.data.dir, Limits.of(params.data), replace=True, superseded=is_collected)
 
 
 def declared_outputs(stage: str, root: str | Path = ".") -> list[str]:

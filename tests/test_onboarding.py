@@ -88,3 +88,27 @@ def test_replace_mode_supersedes_stored_records(tmp_path):
     assert (result.added, result.unchanged, result.replaced, result.rejected) == (0, 3, 1, [])
     stored = list(read_records(tmp_path / "data" / "trajectories.jsonl"))
     assert stored[0]["success"] == changed[0]["success"] and len(stored) == 4
+
+
+def test_a_new_collection_supersedes_the_earlier_one_and_keeps_user_data(tmp_path):
+    """Collected with 3 tasks, then with 2: data/ holds the 2, not the union, and the user's own records stay."""
+    from components.collection import is_collected
+    from components.onboarding import onboard
+    from components.validation import Limits
+
+    def collected(index: int) -> dict:
+        record = valid_record(index)
+        record["task"]["environment"] = "textworld-cooking"
+        record["trajectory_id"] = f"tw-game-{index}-expert-0"
+        return record
+
+    limits = Limits(65536, (-1.0, 1.0))
+    onboard([write_jsonl([valid_record(9)], tmp_path / "mine.jsonl")], tmp_path / "data", limits, version=False)
+    first = write_jsonl([collected(i) for i in range(3)], tmp_path / "seed-a.jsonl")
+    onboard([first], tmp_path / "data", limits, version=False, replace=True, superseded=is_collected)
+    second = write_jsonl([collected(i) for i in range(2)], tmp_path / "seed-b.jsonl")
+    result = onboard([second], tmp_path / "data", limits, version=False, replace=True, superseded=is_collected)
+
+    assert (result.unchanged, result.removed) == (2, 1) and "removed        1" in result.summary()
+    stored = [r["trajectory_id"] for r in read_records(tmp_path / "data" / "trajectories.jsonl")]
+    assert stored == ["demo-0009", "tw-game-0-expert-0", "tw-game-1-expert-0"]
