@@ -167,8 +167,14 @@ def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     teacher = annotation.make_teacher(annotation.TeacherSpec(**spec.model_dump()) if spec else None,
                                       root / params.models.cache_dir)
     records = annotation.annotate(trajectories, teacher)
-    annotation.write_annotated(records, root / params.annotate.out_dir / "transitions.jsonl")
     metrics = annotation.annotation_summary(records, teacher.name if teacher else None)
+    if teacher is not None and records and metrics["teacher_fallbacks"] == len(records):
+        # A teacher that never answered (an endpoint down, a wrong model) is a broken run, not deterministic
+        # traces under the teacher's name for DVC to cache; partial failures are counted in the metrics.
+        raise StageError(f"the teacher {teacher.name} gave no usable trace for any of {len(records)} transitions "
+                         "(its errors are logged above); fix annotate.teacher (model, base_url, the key in its "
+                         "api_key_env) or set annotate.teacher: null for deterministic traces")
+    annotation.write_annotated(records, root / params.annotate.out_dir / "transitions.jsonl")
     examples = {record.task.environment: record for record in records if record.step_index == 1}
     text = (f"# Reasoning traces\n\n{metrics['transitions']} transitions of {metrics['trajectories']} trajectories "
             f"annotated by `{metrics['annotator']}`; traces average {metrics['mean_trace_words']:.0f} words.\n\n"

@@ -143,6 +143,17 @@ def test_annotate_stage_traces_every_transition_deterministically(onboarded):
     assert path.read_bytes() == first  # versioned data: same seed, same bytes
 
 
+def test_annotate_stage_fails_when_the_teacher_never_answers(onboarded):
+    # nothing listens on port 9 (discard): every batch fails, and the stage must say so rather than cache
+    # deterministic traces as the teacher's
+    teacher = {"kind": "openai", "model": "teacher", "base_url": "http://127.0.0.1:9/v1",
+               "api_key_env": "OPENAI_API_KEY", "batch_size": 64, "max_new_tokens": 8}
+    set_params(onboarded, {"annotate.teacher": teacher})
+    result = run("dreamgym", "stage", "annotate", cwd=onboarded, check=False)
+    assert result.returncode != 0 and "gave no usable trace for any of 72 transitions" in result.stderr
+    assert not (onboarded / "annotated" / "transitions.jsonl").exists()
+
+
 def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_dir):
     """annotate -> index_buffer -> train_experience_model -> evaluate_experience_model, on a tiny local model."""
     set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), "data.heldout_task_fraction": 0.3})
