@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import time
 import zlib
 from collections.abc import Callable
@@ -22,14 +21,6 @@ from components.environments.rollout import run_episode
 from components.files import sha256_file
 
 SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "random": "random"}
-# `<task id>-<policy>-<repeat>`, as collect_environment names its episodes
-_COLLECTED_ID = re.compile(rf"-(?:{'|'.join(SOURCE_OF)})-\d+$")
-
-
-def is_collected(record: dict) -> bool:
-    """Whether a stored trajectory record came from seed collection (not from a user's onboarded file)."""
-    return (_COLLECTED_ID.search(record["trajectory_id"]) is not None
-            and has_adapter(record["task"]["environment"]) and record.get("source") in SOURCE_OF.values())
 
 
 def collect_environment(params, environment: str, out_path: Path, progress_path: Path,

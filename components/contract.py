@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 
 SOURCES = ("expert", "random", "policy", "synthetic", "human")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
-# The versioned data directory (onboarding writes it): accepted trajectories, their distinct tasks, rejected records
-TRAJECTORIES, TASKS, QUARANTINE = "trajectories.jsonl", "tasks.jsonl", "quarantine.jsonl"
+# The versioned data directory (onboarding writes it): accepted trajectories, their distinct tasks, rejected records,
+# and the ids the pipeline's own seed collection stored there (so the next collection can supersede exactly those)
+TRAJECTORIES, TASKS, QUARANTINE, COLLECTED = "trajectories.jsonl", "tasks.jsonl", "quarantine.jsonl", "collected.txt"
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, versi
         elif stored[trajectory.trajectory_id] != record:
             replaced += 1
         stored[trajectory.trajectory_id] = record
-    incoming = {trajectory.trajectory_id for _, trajectory in report.accepted}
+    # every id the input holds, rejected ones too: a record rejected now must not take its stored copy with it
+    incoming = {r.value.get("trajectory_id") for r in records if isinstance(r.value, dict)}
     stale = [key for key, record in stored.items() if superseded and superseded(record) and key not in incoming]
     for key in stale:
         del stored[key]

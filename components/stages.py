@@ -15,16 +15,18 @@ from typing import Any
 from components.artifacts import open_artifact_store
 from components.config import Params
 from components.contract import (
+    COLLECTED,
     QUARANTINE,
     TRAJECTORIES,
     Trajectory,
     is_heldout_task,
+    read_records,
     read_trajectories,
     transitions,
     write_records,
     write_trajectories,
 )
-from components.onboarding import OnboardingResult, onboard
+from components.onboarding import OnboardingResult, onboard, version_with_dvc
 from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
@@ -653,20 +655,30 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult | None:
-    """Onboard the collected seed set (collect_seed's output) into the versioned data directory; None when there
-    is nothing to collect: every configured environment is a seed-only domain, whose data the user onboarded."""
-    from components.collection import collectable, is_collected
+    """Onboard the collected seed set (collect_seed's output) into the versioned data directory, superseding the
+    previous collection; None when there is nothing to collect (every configured environment is a seed-only domain,
+    whose data the user onboarded) and no earlier collection to remove."""
+    from components.collection import collectable
 
     root = Path(root)
-    paths = sorted((root / params.collect_seed.out_dir).glob("*.jsonl"))
-    if not paths and not collectable(params.collect_seed.environments)[0]:
+    data_dir = root / params.data.dir
+    manifest = data_dir / COLLECTED
+    previous = set(manifest.read_text(encoding="utf-8").split()) if manifest.is_file() else set()
+    collecting = bool(collectable(params.collect_seed.environments)[0])
+    paths = sorted((root / params.collect_seed.out_dir).glob("*.jsonl")) if collecting else []
+    if not collecting and not previous:
         return None
-    if not paths:
+    if collecting and not paths:
         raise StageError(f"nothing collected in {params.collect_seed.out_dir}/; run `dvc repro collect_seed` first")
-    # replace: re-collecting a task after a param or code change supersedes the episode collected before;
-    # superseded: an earlier collection's episodes that this one no longer holds (fewer tasks, another
-    # environment list) leave data/, whose collected part then always matches collect_seed's params
-    return onboard(paths, root / params.data.dir, Limits.of(params.data), replace=True, superseded=is_collected)
+    # replace: re-collecting a task after a param or code change supersedes the episode collected before.
+    # superseded: the earlier collection's episodes (listed in the manifest) that this one no longer holds, after
+    # fewer tasks or another environment list, leave data/; records the user onboarded are never in the manifest.
+    result = onboard(paths, data_dir, Limits.of(params.data), version=False, replace=True,
+                     superseded=lambda record: record["trajectory_id"] in previous)
+    collected = sorted({record["trajectory_id"] for path in paths for record in read_records(path)})
+    manifest.write_text("".join(f"{trajectory_id}\n" for trajectory_id in collected), encoding="utf-8")
+    result.version_note = version_with_dvc(data_dir)
+    return result
 
 
 def declared_outputs(stage: str, root: str | Path = ".") -> list[str]:

@@ -30,6 +30,7 @@ STEP_FIELDS = {"state": "string", "action": "string", "next_state": "string", "r
                "done": "boolean"}
 OPTIONAL_OBJECTS = {"task": "parameters", "step": "info"}
 TEXT_LIMITED = ("state", "action", "next_state")  # the contract's length limit applies to these
+MAX_DEPTH = 100  # levels of nested objects and lists in one record (a trajectory needs 4, its info a few more)
 
 
 class UnusableInput(Exception):
@@ -126,14 +127,30 @@ def _read_jsonl(path: Path) -> list[RawRecord]:
                                         "fix the value (keep exact big numbers as strings in info)")))
                 continue
             except RecursionError:
+                too_deep = True
+            else:
+                too_deep = _depth(value) > MAX_DEPTH  # deeper, writing or comparing the record would recurse out
+            if too_deep:
                 records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
-                    "invalid_json", "", "objects or lists nested too deep to read; flatten the line's structure")))
+                    "invalid_json", "", f"objects or lists nested more than {MAX_DEPTH} levels deep; flatten the "
+                                        "line's structure")))
                 continue
             problem = None if isinstance(value, dict) else Reason(
                 "not_an_object", "", f"a JSON {_json_type(value)}, not an object; "
                                      "each line must be one trajectory object")
             records.append(RawRecord(str(path), number, value=value, problem=problem))
     return records
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and lists nest in `value` (a loop, not recursion: the input may nest arbitrarily)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _read_parquet(path: Path) -> list[RawRecord]:

@@ -62,7 +62,8 @@ def onboard_collected_seed() -> dict:
     get_run_logger().info(result.summary())
     if result.rejected:  # our own collectors wrote these: a rejection is a bug, not user data to set aside
         raise RuntimeError(f"{len(result.rejected)} collected trajectories broke the contract")
-    return {"added": result.added, "unchanged": result.unchanged, "replaced": result.replaced}
+    return {"added": result.added, "unchanged": result.unchanged, "replaced": result.replaced,
+            "removed": result.removed}
 
 
 @task(name="publish", retries=2, retry_delay_seconds=5)  # uploads replace whole artifacts: safe to retry

@@ -2,7 +2,7 @@
 import json
 
 from components.contract import read_records, write_records
-from tests.conftest import run
+from tests.conftest import REPO, run
 from tests.seed_factory import BREAKAGES, mixed_records, valid_record, write_jsonl
 
 
@@ -91,9 +91,11 @@ def test_replace_mode_supersedes_stored_records(tmp_path):
 
 
 def test_a_new_collection_supersedes_the_earlier_one_and_keeps_user_data(tmp_path):
-    """Collected with 3 tasks, then with 2: data/ holds the 2, not the union, and the user's own records stay."""
-    from components.collection import is_collected
+    """Collected with 3 tasks, then with 2: data/ holds the 2, not the union; the user's own records stay, even one
+    whose id looks collected; with only seed-only environments left, the last collection leaves data/ too."""
+    from components.config import load_params
     from components.onboarding import onboard
+    from components.stages import onboard_collected
     from components.validation import Limits
 
     def collected(index: int) -> dict:
@@ -102,13 +104,24 @@ def test_a_new_collection_supersedes_the_earlier_one_and_keeps_user_data(tmp_pat
         record["trajectory_id"] = f"tw-game-{index}-expert-0"
         return record
 
-    limits = Limits(65536, (-1.0, 1.0))
-    onboard([write_jsonl([valid_record(9)], tmp_path / "mine.jsonl")], tmp_path / "data", limits, version=False)
-    first = write_jsonl([collected(i) for i in range(3)], tmp_path / "seed-a.jsonl")
-    onboard([first], tmp_path / "data", limits, version=False, replace=True, superseded=is_collected)
-    second = write_jsonl([collected(i) for i in range(2)], tmp_path / "seed-b.jsonl")
-    result = onboard([second], tmp_path / "data", limits, version=False, replace=True, superseded=is_collected)
+    def collect(indexes: range, environments: list[str]):
+        for old in (tmp_path / "seed").glob("*.jsonl"):
+            old.unlink()
+        write_jsonl([collected(i) for i in indexes], tmp_path / "seed" / "textworld-cooking.jsonl")
+        params = load_params(REPO / "params.yaml", {"collect_seed.environments": environments})
+        return onboard_collected(params, root=tmp_path)
+
+    mine = valid_record(9)
+    mine["trajectory_id"], mine["task"]["environment"] = "mine-expert-0", "textworld-cooking"  # looks collected
+    onboard([write_jsonl([mine], tmp_path / "mine.jsonl")], tmp_path / "data", Limits(65536, (-1.0, 1.0)),
+            version=False)
+    collect(range(3), ["textworld-cooking"])
+    result = collect(range(2), ["textworld-cooking"])
 
     assert (result.unchanged, result.removed) == (2, 1) and "removed        1" in result.summary()
     stored = [r["trajectory_id"] for r in read_records(tmp_path / "data" / "trajectories.jsonl")]
-    assert stored == ["demo-0009", "tw-game-0-expert-0", "tw-game-1-expert-0"]
+    assert stored == ["mine-expert-0", "tw-game-0-expert-0", "tw-game-1-expert-0"]
+
+    assert collect(range(0), ["demo-kitchen"]).removed == 2  # no real environment collected any more
+    assert [r["trajectory_id"] for r in read_records(tmp_path / "data" / "trajectories.jsonl")] == ["mine-expert-0"]
+    assert collect(range(0), ["demo-kitchen"]) is None  # and nothing left to supersede

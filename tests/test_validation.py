@@ -172,11 +172,13 @@ def test_numbers_too_large_are_rejected_not_crashing(tmp_path):
     assert [(r.rule, r.field) for r in report.rejected[0].reasons] == [("reward_out_of_range", "steps[0].reward")]
     path = tmp_path / "big.jsonl"
     path.write_text(json.dumps(valid_record(11)) + '\n{"return": ' + "1" * 4301 + "}\n"
-                    + '{"info": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+                    + "".join('{"info": ' + "[" * depth + "]" * depth + "}\n" for depth in (500, 100_000)))
     records = read_raw_records(path)
     assert [(r.line, r.problem.rule if r.problem else None) for r in records] == [
-        (1, None), (2, "invalid_json"), (3, "invalid_json")]
-    assert "4300 digits" in records[1].problem.message and "nested too deep" in records[2].problem.message
+        (1, None), (2, "invalid_json"), (3, "invalid_json"), (4, "invalid_json")]
+    assert "4300 digits" in records[1].problem.message
+    # 500 levels parse but would recurse out when written; 100,000 do not even parse
+    assert all("nested more than 100 levels" in r.problem.message for r in records[2:])
 
 
 def test_duplicate_ids_keep_the_first_valid_copy():

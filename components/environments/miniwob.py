@@ -389,7 +389,10 @@ class MiniWoB(Environment):
     def _start_episode(self, gym: _Gym, seed: int) -> dict[str, Any]:
         if self.episode_time_limit_s is not None:  # read by the page when the episode starts
             gym.instance.driver.execute_script(f"core.EPISODE_MAX_TIME = {int(self.episode_time_limit_s * 1000)};")
-        return self._settled(gym, gym.reset(seed=seed)[0], {"done": False})[0]
+        observation, info = self._settled(gym, gym.reset(seed=seed)[0], {"done": False})
+        if info["done"]:  # the page's clock ran out while it loaded: reset() retries in a fresh browser
+            raise RuntimeError("the episode ended while its page was loading")
+        return observation
 
     def _browser(self, name: str) -> _Gym:
         if self._gym is not None and self._gym.instance.died:
