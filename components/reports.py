@@ -32,12 +32,15 @@ def _cell(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def line_plot(rows: list[dict[str, Any]], x: str, ys: list[str], path: str | Path, title: str) -> Path | None:
-    """One small panel per series in `ys` against `x` (learning curves), saved as a PNG; None when no rows."""
+def line_plot(rows: list[dict[str, Any]], x: str, ys: list[str], path: str | Path, title: str) -> Path:
+    """One small panel per series in `ys` against `x` (learning curves), saved as a PNG. Without rows (a skipped
+    stage) the PNG says so: it is a declared output all the same."""
     series = [y for y in ys if any(row.get(y) is not None for row in rows)]
-    if not rows or not series:
-        return None
     plt = pyplot()
+    if not series:
+        figure = plt.figure(figsize=(4, 1.5))
+        figure.text(0.5, 0.5, f"{title}: no iterations", ha="center", va="center", fontsize=10)
+        return save_figure(figure, path)
     figure, axes = plt.subplots(1, len(series), figsize=(3.2 * len(series), 2.8), squeeze=False)
     for axis, y in zip(axes[0], series):
         points = [(row[x], row[y]) for row in rows if row.get(y) is not None]

@@ -524,7 +524,8 @@ def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
         shutil.rmtree(model_dir, ignore_errors=True)
         model_dir.mkdir(parents=True)
         (model_dir / "SKIPPED.md").write_text(f"Sim-to-real was skipped: {why_not}.\n", encoding="utf-8")
-        write_csv([], root / "metrics" / "sim_to_real_iterations.csv")  # no iterations (an output DVC expects)
+        write_csv([], root / "metrics" / "sim_to_real_iterations.csv")  # no iterations (outputs DVC expects)
+        line_plot([], "iteration", [], root / "reports" / "sim_to_real.png", "Sim-to-real (skipped)")
         metrics = {"skipped": skipped, "reason": why_not, "iterations": 0, "real_transitions_used": 0,
                    "real_transitions_budget": settings.real_transitions}
         write_stage_outputs("sim_to_real", metrics, f"# Sim-to-real\n\nSkipped: {why_not}.\n", root)

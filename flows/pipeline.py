@@ -58,7 +58,7 @@ def onboard_collected_seed() -> dict:
     if result is None:
         get_run_logger().info("nothing collected: every collect_seed environment is a seed-only domain (no "
                               "real-environment adapter), so the pipeline uses the seed data already in data/")
-        return {"added": 0, "unchanged": 0, "replaced": 0}
+        return {"added": 0, "unchanged": 0, "replaced": 0, "removed": 0}
     get_run_logger().info(result.summary())
     if result.rejected:  # our own collectors wrote these: a rejection is a bug, not user data to set aside
         raise RuntimeError(f"{len(result.rejected)} collected trajectories broke the contract")

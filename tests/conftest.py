@@ -106,7 +106,8 @@ def tiny_policy(model_dir: Path) -> dict:
         "policy.max_turns": 2,
         "policy.max_action_tokens": 4,
         "synthetic_rl.iterations": 2,
-        "synthetic_rl.tasks_per_iteration": 2,  # the curriculum's lambda of 0.5 then lets it play one generated task
+        "synthetic_rl.tasks_per_iteration": 1,  # small runs have one training task
+        "synthetic_rl.curriculum.max_generated_share": 1.0,  # so the curriculum may still play a generated task
         "synthetic_rl.group_size": 2,
         "synthetic_rl.lora.top_layers": None,
         "synthetic_rl.max_tokens": 1024,

@@ -56,7 +56,7 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_
     assert state.is_completed()
     result = state.result()
     assert result["collect_seed"]["textworld-cooking"]["trajectories"] == 4
-    assert result["onboard"] == {"added": 4, "unchanged": 0, "replaced": 0}
+    assert result["onboard"] == {"added": 4, "unchanged": 0, "replaced": 0, "removed": 0}
     assert result["validate"]["trajectories"] == 4 and result["validate"]["success_rate"] == 0.5
     assert (project / "data.dvc").exists() and (project / "dvc.lock").exists()
     stored = project / "artifacts" / result["run_id"]  # storage.backend local in params.yaml
