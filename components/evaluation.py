@@ -240,8 +240,9 @@ def baseline_report(results: list[EvaluationResult], skipped: list[str], confide
              "(game won, web task completed); the interval is the Wilson score interval at "
              f"{confidence:.0%} confidence. Return is the sum of step rewards (1.0 on success, else 0); steps "
              "count actions up to success, failure or the step cap. The expert replays a walkthrough (TextWorld) "
-             "or a scripted solver (MiniWoB); the random policy picks uniformly among valid actions (TextWorld) "
-             "or page elements (MiniWoB), seeded by the run seed and the task id.", ""]
+             "or a scripted solver (MiniWoB); the random policy is the seed collection's: an admissible command "
+             "(TextWorld; eat, drink, cook, cut and prepare weighted 4x; a quarter of them malformed) or a page "
+             "element (MiniWoB), seeded by the run seed and the task id.", ""]
     if skipped:
         lines += [f"Skipped (no real-environment adapter; seed-only domains): {', '.join(skipped)}.", ""]
     return "\n".join(lines)
