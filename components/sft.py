@@ -122,6 +122,17 @@ def train_sft(
         dataset = dataset.select(fits)
     if not fits:
         raise ValueError(f"no example fits in max_seq_len={settings.max_seq_len} tokens: raise it or shorten prompts")
+    resume = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    if resume and _finished(Path(resume)):
+        # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
+        # after one (a finished 6-step run came back with 7). The checkpoint is the trained model.
+        log.info("%s finished the run: nothing left to train", resume)
+        trained, tokenizer = load_trained_model(resume)
+        state = json.loads((Path(resume) / "trainer_state.json").read_text())
+        losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+        model_dir = _save_model(trained, tokenizer, output_dir, settings)
+        return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, losses[-1] if losses else None,
+                              resume, 0.0)
 
     args = SFTConfig(
         output_dir=str(checkpoints),
@@ -157,13 +168,23 @@ def train_sft(
         callbacks=[_progress_log()],
     )
 
-    resume = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
     if resume:
         log.info("resuming from %s", resume)
     started = time.monotonic()
     output = trainer.train(resume_from_checkpoint=resume)
+    model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
+    return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
+                          output.metrics.get("train_loss"), resume, time.monotonic() - started)
 
-    trained = trainer.model
+
+def _finished(checkpoint: Path) -> bool:
+    """Whether `checkpoint` holds every step its run planned (the plan is part of the checkpoints' fingerprint)."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return state["global_step"] >= state["max_steps"] > 0
+
+
+def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path,
+                settings: TrainingSettings) -> Path:
     if settings.lora is not None and settings.merge_lora:
         trained = trained.merge_and_unload()
     model_dir = output_dir / "model"
@@ -173,8 +194,7 @@ def train_sft(
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)  # a half-written model never sits at model_dir
-    return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
-                          output.metrics.get("train_loss"), resume, time.monotonic() - started)
+    return model_dir
 
 
 def lora_config(model: PreTrainedModel, lora: LoraSettings) -> Any:

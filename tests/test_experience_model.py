@@ -409,8 +409,11 @@ def test_one_lora_sft_step_writes_a_model_that_reloads(tiny: Path, tmp_path: Pat
     load_trained_model(checkpoint)
 
     # Same data and settings: resumes from checkpoint-1 (already at max_steps, so no further step).
+    # (Resumed mid-epoch, Trainer.train would take one more: a finished 6-step run once came back with 7.)
     again = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
     assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-1")
+    assert again.global_step == 1 and not (tmp_path / "exp" / "checkpoints" / "checkpoint-2").exists()
+    load_trained_model(again.model_dir)
 
 
 def test_lora_top_layers_targets_only_the_top_layers(tiny: Path):
