@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,11 @@ class OnboardingResult:
 
 
 def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, version: bool = True,
-            replace: bool = False, superseded: Callable[[dict[str, Any]], bool] | None = None) -> OnboardingResult:
+            replace: bool = False, supersedes: Collection[str] = ()) -> OnboardingResult:
     """Validate `paths`, merge accepted trajectories into `data_dir`, quarantine the rest, `dvc add` the dir.
 
     A record whose id is already stored with other content is quarantined, unless `replace` (the pipeline's own
-    re-collection of a task, which supersedes the earlier episode). `superseded` marks the stored records the
+    re-collection of a task, which supersedes the earlier episode). `supersedes`: the ids of stored records the
     input replaces as a whole (the pipeline's earlier collection): those it no longer holds are removed, so data/
     follows the collection's params instead of keeping the union of every collection. Raises `UnusableInput`
     before writing anything when a file is missing or not JSONL/Parquet.
@@ -87,7 +87,7 @@ def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, versi
         stored[trajectory.trajectory_id] = record
     # every id the input holds, rejected ones too: a record rejected now must not take its stored copy with it
     incoming = {r.value.get("trajectory_id") for r in records if isinstance(r.value, dict)}
-    stale = [key for key, record in stored.items() if superseded and superseded(record) and key not in incoming]
+    stale = [key for key in stored if key in supersedes and key not in incoming]
     for key in stale:
         del stored[key]
     ordered = [stored[key] for key in sorted(stored)]

@@ -123,12 +123,12 @@ def train_sft(
     if not fits:
         raise ValueError(f"no example fits in max_seq_len={settings.max_seq_len} tokens: raise it or shorten prompts")
     resume = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
-    if resume and _finished(Path(resume)):
+    state = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume else {}
+    if resume and state["global_step"] >= state["max_steps"] > 0:  # the plan is part of the checkpoints' fingerprint
         # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
         # after one (a finished 6-step run came back with 7). The checkpoint is the trained model.
         log.info("%s finished the run: nothing left to train", resume)
         trained, tokenizer = load_trained_model(resume)
-        state = json.loads((Path(resume) / "trainer_state.json").read_text())
         losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, losses[-1] if losses else None,
@@ -175,12 +175,6 @@ def train_sft(
     model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
                           output.metrics.get("train_loss"), resume, time.monotonic() - started)
-
-
-def _finished(checkpoint: Path) -> bool:
-    """Whether `checkpoint` holds every step its run planned (the plan is part of the checkpoints' fingerprint)."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    return state["global_step"] >= state["max_steps"] > 0
 
 
 def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path,

@@ -672,10 +672,10 @@ def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResul
     if collecting and not paths:
         raise StageError(f"nothing collected in {params.collect_seed.out_dir}/; run `dvc repro collect_seed` first")
     # replace: re-collecting a task after a param or code change supersedes the episode collected before.
-    # superseded: the earlier collection's episodes (listed in the manifest) that this one no longer holds, after
+    # supersedes: the earlier collection's episodes (listed in the manifest) that this one no longer holds, after
     # fewer tasks or another environment list, leave data/; records the user onboarded are never in the manifest.
     result = onboard(paths, data_dir, Limits.of(params.data), version=False, replace=True,
-                     superseded=lambda record: record["trajectory_id"] in previous)
+                     supersedes=previous)
     collected = sorted({record["trajectory_id"] for path in paths for record in read_records(path)})
     manifest.write_text("".join(f"{trajectory_id}\n" for trajectory_id in collected), encoding="utf-8")
     result.version_note = version_with_dvc(data_dir)

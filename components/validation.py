@@ -115,25 +115,21 @@ def _read_jsonl(path: Path) -> list[RawRecord]:
                 records.append(RawRecord(str(path), number, text=raw.decode("utf-8", "backslashreplace"),
                                          problem=problem))
                 continue
+            too_deep = f"objects or lists nested more than {MAX_DEPTH} levels deep; flatten the line's structure"
             try:
                 value = json.loads(text)
+                # deeper than MAX_DEPTH, writing or comparing the record would recurse out
+                unreadable = too_deep if _depth(value) > MAX_DEPTH else None
             except json.JSONDecodeError as error:
-                records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
-                    "invalid_json", "", f"not valid JSON ({error}); write one complete JSON object per line")))
-                continue
+                unreadable = f"not valid JSON ({error}); write one complete JSON object per line"
             except ValueError:  # an integer literal over Python's 4300-digit limit: not a JSONDecodeError
-                records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
-                    "invalid_json", "", "a number with over 4300 digits, more than a JSON reader takes; "
-                                        "fix the value (keep exact big numbers as strings in info)")))
-                continue
+                unreadable = ("a number with over 4300 digits, more than a JSON reader takes; fix the value (keep "
+                              "exact big numbers as strings in info)")
             except RecursionError:
-                too_deep = True
-            else:
-                too_deep = _depth(value) > MAX_DEPTH  # deeper, writing or comparing the record would recurse out
-            if too_deep:
-                records.append(RawRecord(str(path), number, text=text.rstrip("\n"), problem=Reason(
-                    "invalid_json", "", f"objects or lists nested more than {MAX_DEPTH} levels deep; flatten the "
-                                        "line's structure")))
+                unreadable = too_deep
+            if unreadable:
+                records.append(RawRecord(str(path), number, text=text.rstrip("\n"),
+                                         problem=Reason("invalid_json", "", unreadable)))
                 continue
             problem = None if isinstance(value, dict) else Reason(
                 "not_an_object", "", f"a JSON {_json_type(value)}, not an object; "

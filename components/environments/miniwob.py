@@ -450,13 +450,15 @@ class MiniWoB(Environment):
         two reads agree, at most SETTLE_MAX_S (a page with a live clock never settles)."""
         instance = gym.instance
         deadline = time.monotonic() + SETTLE_MAX_S
+        rendered = "" if info["done"] else self._render(observation)
         while not info["done"] and time.monotonic() < deadline:
             time.sleep(SETTLE_POLL_S)
             info = {**info, **instance.get_metadata()}
             if info["done"]:  # the page ended the episode by itself (a submit fired by the menu)
                 return instance.get_empty_observation(), info
             again, _ = instance.get_observation(use_cached_fields=True)
-            if self._render(again) == self._render(observation):
+            rendered, previous = self._render(again), rendered
+            if rendered == previous:
                 break
             observation = again
         return observation, info
