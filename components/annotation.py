@@ -10,6 +10,9 @@ predict them. Here every seed transition gets such a trace, from one of two anno
   appeared, disappeared or changed between the states, whether the environment accepted the action, the score, why
   the reward and why the episode goes on or ends). It needs no model, so the whole pipeline runs offline.
 
+Teacher replies are kept as they arrive (`annotate(..., replies_path=)`), so a crash or a rerun on grown seed data
+asks the teacher only for transitions it has not answered yet.
+
 Output is one JSON object per transition (`AnnotatedTransition`), written atomically in input order: with the
 deterministic annotator, the same seed data always gives byte-identical files, so DVC versions the traces like any
 other data. Each record names its annotator, so a file made with a teacher says which teacher, and which records
@@ -17,6 +20,8 @@ fell back to the deterministic trace because the teacher's reply was unusable.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -334,31 +339,70 @@ def annotate(
     trajectories: Iterable[Trajectory],
     teacher: Teacher | None = None,
     batch_size: int = 16,
+    replies_path: str | Path | None = None,
 ) -> list[AnnotatedTransition]:
     """Annotate every step of every trajectory, in input order.
 
     With a teacher, each trace is the teacher's reply; an empty or failed reply keeps the deterministic trace, and
     that record's `annotator` says so (count them with `annotation_summary`). A teacher that raises (an endpoint
     down) fails the whole batch over to deterministic traces with a warning instead of losing the run.
+
+    `replies_path` keeps every usable reply as it arrives, keyed by the teacher and its prompt, so a crashed or
+    rerun annotation asks the teacher only what it has not answered yet (greedy replies are reproducible). Failed
+    replies are not kept: a rerun asks again.
     """
     records = list(iter_steps(trajectories))
     if teacher is None:
         return records
-    out: list[AnnotatedTransition] = []
-    for start in range(0, len(records), batch_size):
-        batch = records[start: start + batch_size]
+    kept = _read_replies(replies_path)
+    keys = [_reply_key(teacher, record) for record in records]
+    asking = [i for i, key in enumerate(keys) if key not in kept]
+    if kept:
+        log.info("%d of %d transitions answered by %s before, asking %d", len(records) - len(asking), len(records),
+                 teacher.name, len(asking))
+    for start in range(0, len(asking), batch_size):
+        batch = asking[start: start + batch_size]
         try:
-            replies = teacher.explain(batch)
+            replies = teacher.explain([records[i] for i in batch])
             if len(replies) != len(batch):
                 raise ValueError(f"{len(replies)} replies for {len(batch)} transitions")
         except Exception as error:  # noqa: BLE001  (any teacher failure: keep the data-derived trace)
-            log.warning("teacher %s failed on transitions %d-%d: %s", teacher.name, start, start + len(batch), error)
+            log.warning("teacher %s failed on %d transitions from #%d: %s", teacher.name, len(batch), batch[0], error)
             replies = [None] * len(batch)
-        for record, reply in zip(batch, replies, strict=True):
-            trace = _clean_teacher_trace(reply)
-            out.append(record if trace is None else replace(record, reasoning=trace, annotator=teacher.name))
-        log.info("annotated %d/%d transitions", len(out), len(records))
-    return out
+        answered = {keys[i]: trace for i, reply in zip(batch, replies, strict=True)
+                    if (trace := _clean_teacher_trace(reply)) is not None}
+        kept.update(answered)
+        _append_replies(replies_path, answered)
+        log.info("annotated %d/%d transitions", start + len(batch), len(asking))
+    return [record if (trace := kept.get(key)) is None else replace(record, reasoning=trace, annotator=teacher.name)
+            for record, key in zip(records, keys, strict=True)]
+
+
+def _reply_key(teacher: Teacher, record: AnnotatedTransition) -> str:
+    """What a reply depends on: the teacher, its length limit and its prompt (the transition and its facts)."""
+    what = [teacher.name, getattr(teacher, "max_new_tokens", None), teacher_messages(record, record.reasoning)]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _read_replies(path: str | Path | None) -> dict[str, str]:
+    if path is None or not Path(path).exists():
+        return {}
+    replies = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            replies[record["key"]] = record["reasoning"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line torn by a crash: that transition is asked again
+    return replies
+
+
+def _append_replies(path: str | Path | None, replies: Mapping[str, str]) -> None:
+    if path is None or not replies:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as out:
+        out.write("".join(json.dumps({"key": key, "reasoning": trace}) + "\n" for key, trace in replies.items()))
 
 
 def annotation_summary(records: Sequence[AnnotatedTransition], teacher: str | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from components.contract import Trajectory, write_trajectories
 from components.environments.registry import has_adapter, real_environment
 from components.environments.rollout import run_episode
-from components.files import sha256_file
+from components.files import discard_unless_stamped, sha256_file
 
 SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "random": "random"}
 
@@ -72,11 +72,7 @@ def _fingerprint(params) -> str:
 
 
 def _load_progress(path: Path, fingerprint: str) -> dict[str, Trajectory]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = path.with_suffix(".fingerprint")
-    if path.exists() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
-        path.unlink()  # another collection's episodes (other params or code): resuming them would mix the two
-    stamp.write_text(fingerprint + "\n")
+    discard_unless_stamped(path, fingerprint, path.with_suffix(".fingerprint"))  # another collection's episodes
     if not path.exists():
         return {}
     done = {}

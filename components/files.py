@@ -58,3 +58,18 @@ def directory_sha256(path: str | Path) -> str:
     for file in sorted(p for p in root.rglob("*") if p.is_file()):
         digest.update(f"{file.relative_to(root).as_posix()}\0{sha256_file(file)}\n".encode())
     return digest.hexdigest()
+
+
+def discard_unless_stamped(path: Path, fingerprint: str, stamp: Path) -> None:
+    """Delete `path` (a file or directory of resumable work) unless `stamp` holds `fingerprint`, then stamp it.
+
+    Work left by other settings, data or code must not be resumed: continuing it would mix two runs. A directory's stamp
+    may lie inside it: it goes with the directory, and writing the new one creates the directory afresh.
+    """
+    if path.exists() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint + "\n")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from components.contract import Task
 from components.environments.synthetic import add_to_buffer
-from components.files import atomic_directory, directory_sha256
+from components.files import atomic_directory, directory_sha256, discard_unless_stamped
 from components.replay_buffer import ReplayBuffer, load_replay_buffer
 from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.sft import LoraSettings
@@ -256,14 +256,6 @@ def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Cu
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def prepare_checkpoints(checkpoints: Path, fingerprint: str) -> None:
-    stamp = checkpoints / "fingerprint.txt"
-    if checkpoints.is_dir() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
-        shutil.rmtree(checkpoints)  # made by other settings: resuming them would mix two runs
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(fingerprint + "\n")
-
-
 def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | None, settings: RLSettings,
               out_dir: Path, environment: str) -> tuple[Path, Path | None, list[dict[str, Any]]]:
     """Checkpoints dir, the checkpoint to resume from (or None) and the iteration log so far; on resume the buffer
@@ -273,7 +265,8 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
     if len(tasks) < settings.tasks_per_iteration:
         raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     checkpoints = out_dir / "checkpoints"
-    prepare_checkpoints(checkpoints, settings_fingerprint(settings, policy_model, curriculum, environment))
+    fingerprint = settings_fingerprint(settings, policy_model, curriculum, environment)
+    discard_unless_stamped(checkpoints, fingerprint, checkpoints / "fingerprint.txt")
     resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None, at_most=settings.iterations)
     rows: list[dict[str, Any]] = []
     if resume is not None:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from components.files import discard_unless_stamped
+
 if TYPE_CHECKING:  # heavy imports happen inside the functions that need them
     from datasets import Dataset
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -108,7 +110,8 @@ def train_sft(
     output_dir = Path(output_dir)
     checkpoints = output_dir / "checkpoints"
     dataset = dataset.select_columns(["prompt", "completion"])
-    _reset_stale_checkpoints(checkpoints, _fingerprint(dataset, base_model, settings))
+    # Resuming is only correct for the same data and settings; anything else starts from the base model.
+    discard_unless_stamped(checkpoints, _fingerprint(dataset, base_model, settings), checkpoints / "fingerprint.txt")
 
     # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
     model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")
@@ -243,16 +246,6 @@ def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings) 
     for row in dataset:
         digest.update(json.dumps(row, sort_keys=True).encode())
     return digest.hexdigest()
-
-
-def _reset_stale_checkpoints(checkpoints: Path, fingerprint: str) -> None:
-    """Resuming is only correct for the same data and settings; anything else starts from the base model."""
-    stamp = checkpoints / "fingerprint.txt"
-    if checkpoints.is_dir() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
-        log.info("checkpoints in %s are for other data or settings: starting over", checkpoints)
-        shutil.rmtree(checkpoints)
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(fingerprint + "\n")
 
 
 def _progress_log() -> Any:

@@ -168,7 +168,8 @@ def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     spec = params.annotate.teacher
     teacher = annotation.make_teacher(annotation.TeacherSpec(**spec.model_dump()) if spec else None,
                                       root / params.models.cache_dir)
-    records = annotation.annotate(trajectories, teacher)
+    # Outside annotate.out_dir: the kept replies are a resume cache, not a versioned output.
+    records = annotation.annotate(trajectories, teacher, replies_path=root / ".cache" / "annotate" / "replies.jsonl")
     metrics = annotation.annotation_summary(records, teacher.name if teacher else None)
     if teacher is not None and records and metrics["teacher_fallbacks"] == len(records):
         # A teacher that never answered (an endpoint down, a wrong model) is a broken run, not deterministic

@@ -7,7 +7,8 @@
 # Runs the three stages with `dreamgym --set ... stage`, not `dvc exp run`: the study uses the experience model
 # already in models/experience/model (trained by studies/experience_model.sh at its own budget), which an
 # experiment on params.yaml would retrain at the quick profile's. Resumable: a finished stage is skipped, SFT
-# and RL continue from their last checkpoints. Run it with OMP_NUM_THREADS set when something else shares the CPU.
+# and RL continue from their last checkpoints. Threads: OMP_NUM_THREADS (default: every core) for the sequential
+# steps, half of them each for the two that run side by side.
 set -euo pipefail
 epochs=${1:-2}
 iterations=${2:-8}
@@ -27,14 +28,18 @@ study=(
 mkdir -p "$results"
 
 source "$(dirname "$0")/step.sh"
+threads=${OMP_NUM_THREADS:-$(nproc)}
+half=$(( threads > 1 ? threads / 2 : 1 ))
 
-step train_policy_sft train_policy_sft
-# Evaluating the warm start and training RL need nothing of each other: one core each. evaluate_policies scores
-# every policy whose model exists; pointing the other out_dirs at nothing leaves one.
-step evaluate_sft evaluate_policies --set synthetic_rl.out_dir=none/rl --set sim_to_real.out_dir=none/s2r &
+OMP_NUM_THREADS=$threads step train_policy_sft train_policy_sft
+# Evaluating the warm start and training RL need nothing of each other: half the threads each. evaluate_policies
+# scores every policy whose model exists; pointing the other out_dirs at nothing leaves one.
+OMP_NUM_THREADS=$half step evaluate_sft evaluate_policies --set synthetic_rl.out_dir=none/rl \
+  --set sim_to_real.out_dir=none/s2r &
 evaluating=$!
-step synthetic_rl synthetic_rl
+OMP_NUM_THREADS=$half step synthetic_rl synthetic_rl
 wait "$evaluating"
+OMP_NUM_THREADS=$threads \
 step evaluate_rl evaluate_policies --set policy.sft.out_dir=none/sft --set sim_to_real.out_dir=none/s2r
 cp metrics/synthetic_rl_iterations.csv reports/synthetic_rl.png "$results/"
 printf '%s\n' "studies/policy.sh $epochs $iterations $results" "${study[@]}" > "$results/command.txt"

@@ -142,6 +142,41 @@ def test_teacher_replies_are_used_and_unusable_ones_fall_back():
     assert all(r.annotator == DETERMINISTIC for r in annotate([_trajectory()], teacher=DeadTeacher()))
 
 
+def test_a_crashed_teacher_annotation_resumes_asking_only_unanswered_transitions(tmp_path: Path):
+    class CountingTeacher:  # a test double: the unit under test is which transitions annotate() asks for
+        name, max_new_tokens = "counting-teacher", 64
+
+        def __init__(self, crash_after: int | None = None):
+            self.asked: list[tuple[str, int]] = []
+            self.crash_after = crash_after
+
+        def explain(self, transitions):
+            if self.crash_after is not None and len(self.asked) >= self.crash_after:
+                raise KeyboardInterrupt  # the process dies: not a teacher failure annotate() may absorb
+            self.asked += [(t.trajectory_id, t.step_index) for t in transitions]
+            return [None if t.step_index == 2 else f"Because of {t.action}." for t in transitions]
+
+    # 9 transitions, batches of 2; each game its own instruction (identical prompts would share one reply)
+    trajectories = [_trajectory(f"tw-{i}", replace(TASK, instruction=f"{TASK.instruction} ({i})")) for i in range(3)]
+    replies = tmp_path / "replies.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        annotate(trajectories, CountingTeacher(crash_after=4), batch_size=2, replies_path=replies)
+    with open(replies, "a", encoding="utf-8") as torn:
+        torn.write('{"key": "0')  # the line being written when the process died
+
+    resumed = CountingTeacher()
+    records = annotate(trajectories, resumed, batch_size=2, replies_path=replies)
+    # The 4 asked before: 3 usable replies kept, the one unusable (step 2 of tw-0) asked again with the 5 never asked.
+    assert resumed.asked == [("tw-0", 2), ("tw-1", 1), ("tw-1", 2), ("tw-2", 0), ("tw-2", 1), ("tw-2", 2)]
+    assert records == annotate(trajectories, CountingTeacher(), batch_size=2)  # as if it had never crashed
+    assert [r.annotator for r in records].count("counting-teacher") == 6
+
+    other = CountingTeacher()
+    other.name = "another-teacher"  # another teacher's replies are not this one's
+    annotate(trajectories, other, batch_size=2, replies_path=replies)
+    assert len(other.asked) == 9
+
+
 # ---- prompt, target, parser -----------------------------------------------------------------------------------
 
 
