@@ -10,17 +10,21 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from components.config import EnvironmentsParams, Params
-from components.contract import SOURCES, Task, Trajectory
+from components.contract import SOURCES, Step, Task, Trajectory
 from components.environments.base import Environment, Observation, Policy
 from components.environments.registry import RealEnvironment, has_adapter, real_environment
 from components.environments.rollout import run_episode
 from components.reports import markdown_table
+
+if TYPE_CHECKING:
+    from components.replay_buffer import Retrieved
 
 PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
 
@@ -176,6 +180,60 @@ def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[T
                        temperature=0.0)
     environment = ",".join(sorted({task.environment for task in tasks}))
     return summarize(environment, name, [e.trajectory for e in episodes], confidence, time.monotonic() - started)
+
+
+def episodes_from_buffer(records: Sequence[Retrieved], tasks: Mapping[str, Task]) -> tuple[list[Trajectory], int]:
+    """The synthetic episodes stored in a replay buffer (its records of one source), rebuilt as trajectories of the
+    real `tasks` they played (by task id), in order of trajectory id; also how many episodes played a task not in
+    `tasks` (a curriculum variation: no real game to replay it in). Success as `record_trajectory` scores it."""
+    by_episode: dict[str, list[Retrieved]] = defaultdict(list)
+    for record in records:
+        by_episode[record.trajectory_id].append(record)
+    trajectories, unreplayable = [], 0
+    for trajectory_id, steps in sorted(by_episode.items()):
+        steps.sort(key=lambda step: step.step_index)
+        task = tasks.get(steps[0].task_id)
+        if task is None:
+            unreplayable += 1
+            continue
+        trajectory_steps = [Step(s.state, s.action, s.next_state, s.reward, s.done, {}) for s in steps]
+        success = steps[-1].done and steps[-1].reward > 0
+        trajectories.append(Trajectory(trajectory_id, task, trajectory_steps, success,
+                                       sum(s.reward for s in steps), "synthetic"))
+    return trajectories, unreplayable
+
+
+def replay_in_real(kind: RealEnvironment, env_params: EnvironmentsParams, episodes: Sequence[Trajectory],
+                   progress: Callable[[str], None] | None = print) -> list[Trajectory]:
+    """Each episode's actions again, in order, in the real environment, until the game ends or they run out.
+
+    Applied to episodes played inside the experience model, it tells which synthetic outcomes the application
+    agrees with: a synthetic win the real game does not give is a simulator error the policy can learn to exploit.
+    """
+    replays: list[Trajectory] = []
+    env = kind.open(env_params)
+    try:
+        for index, episode in enumerate(episodes):
+            actions = [step.action for step in episode.steps]
+            replays.append(run_episode(env, episode.task, lambda task, observation, history: actions[len(history)],
+                                       max_steps=len(actions), trajectory_id=f"replay-{episode.trajectory_id}",
+                                       source="policy"))
+            if progress is not None and (index + 1) % 20 == 0:
+                progress(f"[replay {kind.name}] {index + 1}/{len(episodes)} episodes")
+    finally:
+        env.close()
+    return replays
+
+
+def outcome_agreement(synthetic: Sequence[Trajectory], real: Sequence[Trajectory]) -> dict[str, int]:
+    """How the synthetic outcomes of episodes compare with their replays in the real environment (paired in order)."""
+    pairs = list(zip(synthetic, real, strict=True))
+    return {"episodes": len(pairs),
+            "synthetic_successes": sum(s.success for s, _ in pairs),
+            "real_successes": sum(r.success for _, r in pairs),
+            "both": sum(s.success and r.success for s, r in pairs),
+            "synthetic_only": sum(s.success and not r.success for s, r in pairs),
+            "real_only": sum(r.success and not s.success for s, r in pairs)}
 
 
 def seeded_random(kind: RealEnvironment, seed: int) -> Callable[[Environment], Policy]:

@@ -630,6 +630,10 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
         metrics[label.replace(" ", "_")] = entry
+    replayed = ""
+    if rl_label in candidates:
+        metrics["synthetic_replay"], replays, replayed = _replay_synthetic_episodes(params, root, environments)
+        episodes += replays
     # What the RL policies saw, read from the iteration log saved with each model (a checkpoint's too), so it is
     # that model's history even when a study points the out_dirs at another run's.
     provenance = ""
@@ -650,10 +654,50 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
               f"`{EPISODES_FILE}`.\n"
             + (f"\nNo real-environment adapter (seed-only domains): {', '.join(skipped)}. Their held-out seed tasks "
                "are played inside the experience model instead: that success is the simulator's verdict, a check "
-               "of the policy against the learned dynamics, not of the application.\n" if skipped else ""))
+               "of the policy against the learned dynamics, not of the application.\n" if skipped else "")
+            + replayed)
     write_trajectories(episodes, root / EPISODES_FILE)
     write_stage_outputs("evaluate_policies", metrics, text, root)
     return metrics
+
+
+def _replay_synthetic_episodes(params: Params, root: Path,
+                               environments: list[str]) -> tuple[dict[str, Any], list[Trajectory], str]:
+    """Synthetic RL's episodes on real training tasks, replayed action by action in the real environment: how many
+    synthetic wins the application confirms (metrics, the replays, a report section)."""
+    from components.environments.registry import real_environment
+    from components.evaluation import episodes_from_buffer, outcome_agreement, replay_in_real
+    from components.replay_buffer import SentenceEncoder, load_replay_buffer
+
+    buffer_dir = root / params.synthetic_rl.out_dir / "replay_buffer"
+    if not buffer_dir.is_dir():
+        return {}, [], ""
+    encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir)  # loads nothing: no encoding
+    buffer = load_replay_buffer(buffer_dir, encoder)
+    if buffer.backend != "embedded":
+        return {"skipped": f"the {buffer.backend} buffer keeps its records on its server"}, [], ""
+    records, _ = buffer.export(source="synthetic")
+    tasks = {t.task.task_id: t.task for t in read_trajectories(root / params.data.dir / TRAJECTORIES)}
+    metrics: dict[str, Any] = {}
+    rows, replays = [], []
+    for name in environments:
+        synthetic, unreplayable = episodes_from_buffer([r for r in records if r.environment == name], tasks)
+        real = replay_in_real(real_environment(name), params.environments, synthetic)
+        metrics[name] = {**outcome_agreement(synthetic, real), "unreplayable": unreplayable}
+        replays += real
+        m = metrics[name]
+        rows.append([name, m["episodes"], m["synthetic_successes"], m["both"], m["synthetic_only"], m["real_only"],
+                     unreplayable])
+    if not rows:
+        return metrics, replays, ""
+    text = ("\n## Synthetic episodes replayed in the real environment\n\n"
+            "Every episode synthetic RL played inside the experience model on a real training task, its actions "
+            "replayed in order in the real environment (`replay-*` in the episodes file). A synthetic win the real "
+            "game does not give is a simulator error the policy was rewarded for.\n\n"
+            + markdown_table(["environment", "episodes", "synthetic wins", "of them real wins",
+                              "synthetic wins not real", "real wins the simulator missed",
+                              "not replayable (generated tasks)"], rows))
+    return metrics, replays, text
 
 
 def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResult | None:

@@ -13,11 +13,15 @@ import pytest
 from components.config import load_params
 from components.evaluation import (
     EvaluationResult,
+    episodes_from_buffer,
     evaluate_baselines,
     evaluate_policy,
+    outcome_agreement,
+    replay_in_real,
     seeded_random,
     wilson_interval,
 )
+from components.replay_buffer import Retrieved
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository's own game cache: games are deterministic in their parameters, so tests share them.
@@ -103,6 +107,35 @@ def test_textworld_random_is_poor_and_reproducible(textworld) -> None:
     # the same actions whichever worker played which task
     assert [[s.action for s in t.steps] for t in runs[0].trajectories] == \
            [[s.action for s in t.steps] for t in runs[1].trajectories]
+    assert not engine_children()
+
+
+def test_synthetic_episodes_replayed_in_the_real_game_confirm_or_refute_their_wins(textworld) -> None:
+    kind, params, tasks = textworld
+    expert = evaluate_policy(kind, params.environments, tasks[:2], kind.expert, workers=1, confidence=0.95,
+                             name="expert", progress=None).trajectories
+
+    def stored(trajectory_id: str, task_id: str, actions: list[str], wins: bool) -> list[Retrieved]:
+        """An episode as synthetic RL leaves it in the buffer: the simulator's verdict on its last step."""
+        return [Retrieved("textworld-cooking", task_id, trajectory_id, index, f"state {index}", action, "next",
+                          float(wins and index == len(actions) - 1), wins and index == len(actions) - 1,
+                          "synthetic", "synthetic") for index, action in enumerate(actions)]
+
+    walkthrough = [[step.action for step in t.steps] for t in expert]
+    records = [*stored("syn-3", "generated-variation", walkthrough[0], True),  # no real game to replay it in
+               *stored("syn-2", tasks[0].task_id, walkthrough[0], False),  # a real win the simulator missed
+               *stored("syn-1", tasks[1].task_id, walkthrough[1][:-1], True),  # a win one move early: not real
+               *stored("syn-0", tasks[0].task_id, walkthrough[0], True)][::-1]  # a real win; order does not matter
+    synthetic, unreplayable = episodes_from_buffer(records, {task.task_id: task for task in tasks})
+    assert unreplayable == 1 and [e.trajectory_id for e in synthetic] == ["syn-0", "syn-1", "syn-2"]
+    assert [e.success for e in synthetic] == [True, True, False]
+    assert [[s.action for s in e.steps] for e in synthetic] == [walkthrough[0], walkthrough[1][:-1], walkthrough[0]]
+
+    real = replay_in_real(kind, params.environments, synthetic, progress=None)
+    assert [[s.action for s in r.steps] for r in real] == [[s.action for s in e.steps] for e in synthetic]
+    assert [r.success for r in real] == [True, False, True]
+    assert outcome_agreement(synthetic, real) == {"episodes": 3, "synthetic_successes": 2, "real_successes": 2,
+                                                  "both": 1, "synthetic_only": 1, "real_only": 1}
     assert not engine_children()
 
 

@@ -70,6 +70,9 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_
     s2r = result["sim_to_real"]  # real TextWorld games, on the budget
     assert s2r["iterations"] == 1 and 0 < s2r["real_transitions_used"] <= s2r["real_transitions_budget"] == 4
     assert "sim-to-real" in result["evaluate_policies"]
+    replay = result["evaluate_policies"]["synthetic_replay"]["textworld-cooking"]  # synthetic RL's episodes, replayed
+    assert replay["episodes"] + replay["unreplayable"] == result["synthetic_rl"]["episodes"]
+    assert replay["real_successes"] >= replay["both"] <= replay["synthetic_successes"]
     assert "textworld-cooking" in artifacts["validate-report"].data
     assert result["run_id"] in artifacts["validate-outputs"].data
     model = project / "models/policy/sft/model"  # every declared output, models included, is stored
