@@ -83,7 +83,8 @@ class TrainingResult:
     global_step: int
     examples: int  # trained on
     too_long: int  # left out: longer than max_seq_len tokens
-    train_loss: float | None
+    train_loss: float | None  # mean of the logged losses over the whole run, resumed steps included
+    final_loss: float | None  # the last logged loss
     resumed_from: str | None
     seconds: float
 
@@ -132,9 +133,8 @@ def train_sft(
         # after one (a finished 6-step run came back with 7). The checkpoint is the trained model.
         log.info("%s finished the run: nothing left to train", resume)
         trained, tokenizer = load_trained_model(resume)
-        losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
-        return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, losses[-1] if losses else None,
+        return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
                               resume, 0.0)
 
     args = SFTConfig(
@@ -174,10 +174,17 @@ def train_sft(
     if resume:
         log.info("resuming from %s", resume)
     started = time.monotonic()
-    output = trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=resume)
     model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
-                          output.metrics.get("train_loss"), resume, time.monotonic() - started)
+                          *_losses(trainer.state.log_history), resume, time.monotonic() - started)
+
+
+def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """Mean and last of the logged training losses. From the log, not Trainer's `train_loss`: that one averages
+    only the steps of the last invocation, so a resumed (or already finished) run would report another number."""
+    losses = [entry["loss"] for entry in log_history if "loss" in entry]
+    return (sum(losses) / len(losses), losses[-1]) if losses else (None, None)
 
 
 def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path,

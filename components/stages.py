@@ -187,6 +187,13 @@ def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
+def _losses(result) -> str:
+    """An SFT result's losses for a report (sft.TrainingResult)."""
+    if result.train_loss is None:
+        return "no training loss logged"
+    return f"training loss {result.train_loss:.4f} on average, {result.final_loss:.4f} at the last logged step"
+
+
 def _saved_buffer(params: Params, root: Path):
     """The buffer index_buffer saved, with the encoder it was built with (also used to score similarity)."""
     from components.replay_buffer import SentenceEncoder, load_replay_buffer
@@ -225,13 +232,13 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
         sft.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=params.seed),
         cache_dir=root / params.models.cache_dir)
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
-               "train_loss": result.train_loss, "seconds": round(result.seconds, 1),
+               "train_loss": result.train_loss, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
                "resumed": result.resumed_from is not None}
     text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} examples of "
             f"annotated training-task transitions in {', '.join(settings.environments)}, rewarded or terminal ones "
             f"repeated {settings.outcome_repeats} times ({result.too_long} left out as "
-            f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, final training loss "
-            f"{result.train_loss}, {result.seconds:.0f} s. Reasoning in the target: {fmt.use_reasoning}; retrieved "
+            f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, {_losses(result)}, "
+            f"{result.seconds:.0f} s. Reasoning in the target: {fmt.use_reasoning}; retrieved "
             f"examples in the prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
     write_stage_outputs("train_experience_model", metrics, text, root)
     return metrics
@@ -325,12 +332,12 @@ def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
         accuracy = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,
                                                params.policy.max_action_tokens)
     metrics = {"demonstrations": len(demonstrations), "examples": result.examples, "too_long": result.too_long,
-               "global_step": result.global_step, "train_loss": result.train_loss,
+               "global_step": result.global_step, "train_loss": result.train_loss, "final_loss": result.final_loss,
                "seconds": round(result.seconds, 1), "heldout_next_action": accuracy}
     text = (f"# Policy warm start (SFT)\n\n`{params.models.policy}` fine-tuned on {result.examples} steps of "
             f"{len(demonstrations)} successful {'/'.join(settings.sources)} seed episodes of training tasks "
             f"({result.too_long} steps left out as longer than {training.max_seq_len} tokens): {result.global_step} "
-            f"optimizer steps, final training loss {result.train_loss}, {result.seconds:.0f} s.\n\n")
+            f"optimizer steps, {_losses(result)}, {result.seconds:.0f} s.\n\n")
     if accuracy:
         text += (f"Teacher-forced next-action accuracy on {len(heldout)} held-out seed episodes: "
                  f"**{accuracy['accuracy']:.3f}** ({accuracy['correct']}/{accuracy['steps']} steps). By step:\n\n"

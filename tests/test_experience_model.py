@@ -426,28 +426,29 @@ def test_vllm_backend_without_vllm_says_how_to_get_it():
 # ---- training -------------------------------------------------------------------------------------------------
 
 
-def test_one_lora_sft_step_writes_a_model_that_reloads(tiny: Path, tmp_path: Path):
+def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(tiny: Path, tmp_path: Path):
     dataset = sft_examples(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), None, PromptFormat())
     lora = LoraSettings(r=4, alpha=8, top_layers=1)
-    settings = TrainingSettings(max_steps=1, batch_size=2, lora=lora, precision="fp32", save_steps=1, logging_steps=1)
+    settings = TrainingSettings(max_steps=2, batch_size=2, lora=lora, precision="fp32", save_steps=1, logging_steps=1)
 
     result = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
-    assert result.global_step == 1 and result.train_loss is not None
+    assert result.global_step == 2 and result.final_loss is not None and result.train_loss is not None
     assert (result.examples, result.too_long) == (6, 0)
     assert (tmp_path / "exp" / "checkpoints" / "checkpoint-1").is_dir()
     model, tokenizer = load_trained_model(result.model_dir)
     assert not (result.model_dir / "adapter_config.json").exists()  # merged into a plain model
     [reply] = HFGenerationBackend(model, tokenizer).generate([dataset[0]["prompt"]], max_new_tokens=4)
     assert isinstance(reply, str)
-    checkpoint = tmp_path / "exp" / "checkpoints" / "checkpoint-1"  # a LoRA adapter: loads and evaluates too
+    checkpoint = tmp_path / "exp" / "checkpoints" / "checkpoint-2"  # a LoRA adapter: loads and evaluates too
     assert has_trained_model(checkpoint) and has_trained_model(result.model_dir) and not has_trained_model(tmp_path)
     load_trained_model(checkpoint)
 
-    # Same data and settings: resumes from checkpoint-1 (already at max_steps, so no further step).
+    # Same data and settings: resumes from checkpoint-2 (already at max_steps, so no further step).
     # (Resumed mid-epoch, Trainer.train would take one more: a finished 6-step run once came back with 7.)
     again = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
-    assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-1")
-    assert again.global_step == 1 and not (tmp_path / "exp" / "checkpoints" / "checkpoint-2").exists()
+    assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-2")
+    assert again.global_step == 2 and not (tmp_path / "exp" / "checkpoints" / "checkpoint-3").exists()
+    assert (again.train_loss, again.final_loss) == (result.train_loss, result.final_loss)  # the same run's losses
     load_trained_model(again.model_dir)
 
 
