@@ -187,11 +187,12 @@ def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
-def _losses(result) -> str:
-    """An SFT result's losses for a report (sft.TrainingResult)."""
-    if result.train_loss is None:
-        return "no training loss logged"
-    return f"training loss {result.train_loss:.4f} on average, {result.final_loss:.4f} at the last logged step"
+def _sft_summary(result) -> str:
+    """An SFT result's losses and time for a report (sft.TrainingResult)."""
+    losses = (f"training loss {result.train_loss:.4f} on average, {result.final_loss:.4f} at the last logged step"
+              if result.train_loss is not None else "no training loss logged")
+    resumed = f" (this run's only: it resumed from `{Path(result.resumed_from).name}`)" if result.resumed_from else ""
+    return f"{losses}, {result.seconds:.0f} s{resumed}"
 
 
 def _saved_buffer(params: Params, root: Path):
@@ -237,9 +238,9 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
     text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} examples of "
             f"annotated training-task transitions in {', '.join(settings.environments)}, rewarded or terminal ones "
             f"repeated {settings.outcome_repeats} times ({result.too_long} left out as "
-            f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, {_losses(result)}, "
-            f"{result.seconds:.0f} s. Reasoning in the target: {fmt.use_reasoning}; retrieved "
-            f"examples in the prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
+            f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, "
+            f"{_sft_summary(result)}. Reasoning in the target: {fmt.use_reasoning}; retrieved examples in the "
+            f"prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
     write_stage_outputs("train_experience_model", metrics, text, root)
     return metrics
 
@@ -337,7 +338,7 @@ def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
     text = (f"# Policy warm start (SFT)\n\n`{params.models.policy}` fine-tuned on {result.examples} steps of "
             f"{len(demonstrations)} successful {'/'.join(settings.sources)} seed episodes of training tasks "
             f"({result.too_long} steps left out as longer than {training.max_seq_len} tokens): {result.global_step} "
-            f"optimizer steps, {_losses(result)}, {result.seconds:.0f} s.\n\n")
+            f"optimizer steps, {_sft_summary(result)}.\n\n")
     if accuracy:
         text += (f"Teacher-forced next-action accuracy on {len(heldout)} held-out seed episodes: "
                  f"**{accuracy['accuracy']:.3f}** ({accuracy['correct']}/{accuracy['steps']} steps). By step:\n\n"
