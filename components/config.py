@@ -406,6 +406,7 @@ def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") ->
     round_trip.width, round_trip.preserve_quotes = 118, True
     round_trip.representer.add_representer(  # `null`, as params.yaml writes it, not an empty value
         type(None), lambda representer, _: representer.represent_scalar("tag:yaml.org,2002:null", "null"))
+    round_trip.representer.add_representer(float, _float_scalar)
     tree = round_trip.load(params_path.read_text(encoding="utf-8"))
     for key, value in changed.items():
         set_dotted(tree, key, _flow(value))
@@ -414,6 +415,17 @@ def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") ->
     # ruamel leaves a space at the end of each line where it wraps a long flow list
     params_path.write_text("".join(line.rstrip() + "\n" for line in text.getvalue().splitlines()), encoding="utf-8")
     return changed
+
+
+def _float_scalar(representer: Any, value: float) -> Any:
+    """A float as YAML 1.1 (PyYAML, which reads params.yaml) reads it back: 1.0e-05, not 1e-05 (a string there)."""
+    text = repr(value)
+    if not math.isfinite(value):
+        text = ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
+    elif "e" in text and "." not in text:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}.0e{exponent}"
+    return representer.represent_scalar("tag:yaml.org,2002:float", text)
 
 
 def _flow(value: Any) -> Any:

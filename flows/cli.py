@@ -6,7 +6,7 @@
   dreamgym flow results_study                      the paper's Table 1: every variant of params.yaml `study`
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
-  dreamgym params use PROFILE                      write a profile's values (profiles/quick.yaml, gpu.yaml) into it
+  dreamgym params use PROFILE                      write a profile (profiles/NAME.yaml: quick, cpu, gpu) into it
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     artifacts.add_argument("--dry-run", action="store_true", help="prune: say what would be deleted, delete nothing")
     params_command = commands.add_parser("params", help="params.yaml: check it, or switch profile")
     params_command.add_argument("action", choices=["check", "use"])
-    params_command.add_argument("profile", nargs="?", help="for `use`: quick, gpu (profiles/NAME.yaml) or a path")
+    params_command.add_argument("profile", nargs="?", help="for `use`: quick, cpu, gpu (profiles/NAME.yaml) or a path")
 
     args = parser.parse_args(argv)
     # components log progress (training steps, generation batches) at INFO; show it in DVC and Prefect output
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         from components.config import use_profile
 
         if not args.profile:
-            print("error: `dreamgym params use` needs a profile: quick, gpu, or a path", file=sys.stderr)
+            print("error: `dreamgym params use` needs a profile: quick, cpu, gpu, or a path", file=sys.stderr)
             return EXIT_UNUSABLE
         try:
             changed = use_profile(args.profile, args.params)

@@ -95,6 +95,10 @@ def test_profiles_switch_params_and_keep_comments(tmp_path, monkeypatch):
 
     use_profile("quick")  # the quick profile is params.yaml's defaults: back to where we started
     assert load_params("params.yaml") == original
+    for profile in sorted(set(Path("profiles").glob("*.yaml")) - {Path("profiles/quick.yaml")}):  # every other
+        assert use_profile(profile.stem) and load_params("params.yaml") != original
+        use_profile("quick")
+        assert load_params("params.yaml") == original, f"profiles/quick.yaml misses keys of {profile.name}"
     kept = [line.split("#", 1)[1] for line in (tmp_path / "params.yaml").read_text().splitlines() if "#" in line]
     assert kept == [line.split("#", 1)[1] for line in comments]
     assert not [line for line in (tmp_path / "params.yaml").read_text().splitlines() if line != line.rstrip()]
