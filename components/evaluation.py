@@ -10,21 +10,17 @@ import math
 import random
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from components.config import EnvironmentsParams, Params
-from components.contract import SOURCES, Step, Task, Trajectory
+from components.contract import SOURCES, Task, Trajectory
 from components.environments.base import Environment, Observation, Policy
 from components.environments.registry import RealEnvironment, has_adapter, real_environment
 from components.environments.rollout import run_episode
 from components.reports import markdown_table
-
-if TYPE_CHECKING:
-    from components.replay_buffer import Retrieved
 
 PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
 
@@ -180,27 +176,6 @@ def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[T
                        temperature=0.0)
     environment = ",".join(sorted({task.environment for task in tasks}))
     return summarize(environment, name, [e.trajectory for e in episodes], confidence, time.monotonic() - started)
-
-
-def episodes_from_buffer(records: Sequence[Retrieved], tasks: Mapping[str, Task]) -> tuple[list[Trajectory], int]:
-    """The synthetic episodes stored in a replay buffer (its records of one source), rebuilt as trajectories of the
-    real `tasks` they played (by task id), in order of trajectory id; also how many episodes played a task not in
-    `tasks` (a curriculum variation: no real game to replay it in). Success as `record_trajectory` scores it."""
-    by_episode: dict[str, list[Retrieved]] = defaultdict(list)
-    for record in records:
-        by_episode[record.trajectory_id].append(record)
-    trajectories, unreplayable = [], 0
-    for trajectory_id, steps in sorted(by_episode.items()):
-        steps.sort(key=lambda step: step.step_index)
-        task = tasks.get(steps[0].task_id)
-        if task is None:
-            unreplayable += 1
-            continue
-        trajectory_steps = [Step(s.state, s.action, s.next_state, s.reward, s.done, {}) for s in steps]
-        success = steps[-1].done and steps[-1].reward > 0
-        trajectories.append(Trajectory(trajectory_id, task, trajectory_steps, success,
-                                       sum(s.reward for s in steps), "synthetic"))
-    return trajectories, unreplayable
 
 
 def replay_in_real(kind: RealEnvironment, env_params: EnvironmentsParams, episodes: Sequence[Trajectory],

@@ -60,16 +60,18 @@ def directory_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def discard_unless_stamped(path: Path, fingerprint: str, stamp: Path) -> None:
-    """Delete `path` (a file or directory of resumable work) unless `stamp` holds `fingerprint`, then stamp it.
+def discard_unless_stamped(path: Path, fingerprint: str, stamp: Path) -> bool:
+    """Delete `path` (a file or directory of resumable work) unless `stamp` holds `fingerprint`, then stamp it; say
+    whether it was deleted.
 
     Work left by other settings, data or code must not be resumed: continuing it would mix two runs. A directory's stamp
     may lie inside it: it goes with the directory, and writing the new one creates the directory afresh.
     """
-    if path.exists() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    discard = path.exists() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint)
+    if discard and path.is_dir():
+        shutil.rmtree(path)
+    elif discard:
+        path.unlink()
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(fingerprint + "\n")
+    return discard

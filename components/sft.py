@@ -112,7 +112,9 @@ def train_sft(
     checkpoints = output_dir / "checkpoints"
     dataset = dataset.select_columns(["prompt", "completion"])
     # Resuming is only correct for the same data and settings; anything else starts from the base model.
-    discard_unless_stamped(checkpoints, _fingerprint(dataset, base_model, settings), checkpoints / "fingerprint.txt")
+    fingerprint = _fingerprint(dataset, base_model, settings)
+    if discard_unless_stamped(checkpoints, fingerprint, checkpoints / "fingerprint.txt"):
+        log.info("checkpoints in %s were for other data or settings: starting over", checkpoints)
 
     # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
     model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")

@@ -195,12 +195,13 @@ def _sft_summary(result) -> str:
     return f"{losses}, {result.seconds:.0f} s{resumed}"
 
 
-def _saved_buffer(params: Params, root: Path):
-    """The buffer index_buffer saved, with the encoder it was built with (also used to score similarity)."""
+def _saved_buffer(params: Params, root: Path, directory: str | Path | None = None):
+    """The buffer index_buffer saved (or one saved in `directory`), with the encoder it was built with (also used to
+    score similarity; the model loads on the first encoding only)."""
     from components.replay_buffer import SentenceEncoder, load_replay_buffer
 
     encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
-    return load_replay_buffer(root / params.buffer.out_dir, encoder)
+    return load_replay_buffer(root / (directory or params.buffer.out_dir), encoder)
 
 
 def _experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
@@ -674,14 +675,13 @@ def _replay_synthetic_episodes(params: Params, root: Path,
     """Synthetic RL's episodes on real training tasks, replayed action by action in the real environment: how many
     synthetic wins the application confirms (metrics, the replays, a report section)."""
     from components.environments.registry import real_environment
-    from components.evaluation import episodes_from_buffer, outcome_agreement, replay_in_real
-    from components.replay_buffer import SentenceEncoder, load_replay_buffer
+    from components.environments.synthetic import episodes_from_buffer
+    from components.evaluation import outcome_agreement, replay_in_real
 
     buffer_dir = root / params.synthetic_rl.out_dir / "replay_buffer"
     if not buffer_dir.is_dir():
         return {}, [], ""
-    encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir)  # loads nothing: no encoding
-    buffer = load_replay_buffer(buffer_dir, encoder)
+    buffer = _saved_buffer(params, root, buffer_dir)
     if buffer.backend != "embedded":
         return {"skipped": f"the {buffer.backend} buffer keeps its records on its server"}, [], ""
     records, _ = buffer.export(source="synthetic")

@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 from components.config import load_params
+from components.environments.synthetic import episodes_from_buffer
 from components.evaluation import (
     EvaluationResult,
-    episodes_from_buffer,
     evaluate_baselines,
     evaluate_policy,
     outcome_agreement,

@@ -15,6 +15,7 @@ buffer as synthetic transitions (`add_to_buffer`).
 from __future__ import annotations
 
 import uuid
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -146,6 +147,26 @@ def record_trajectory(episode: SyntheticEpisode) -> Trajectory:
     success = episode.done and bool(episode.steps) and episode.steps[-1].reward > 0
     return Trajectory(episode.trajectory_id, episode.task, list(episode.steps), success,
                       sum(s.reward for s in episode.steps), "synthetic")
+
+
+def episodes_from_buffer(records: Sequence[Retrieved], tasks: Mapping[str, Task]) -> tuple[list[Trajectory], int]:
+    """The synthetic episodes stored in a replay buffer (its records of one source), rebuilt as trajectories of the
+    real `tasks` they played (by task id), in order of trajectory id; also how many episodes played a task not in
+    `tasks` (a curriculum variation: no real game to replay it in)."""
+    by_episode: dict[str, list[Retrieved]] = defaultdict(list)
+    for record in records:
+        by_episode[record.trajectory_id].append(record)
+    trajectories, unreplayable = [], 0
+    for trajectory_id, stored in sorted(by_episode.items()):
+        stored.sort(key=lambda record: record.step_index)
+        task = tasks.get(stored[0].task_id)
+        if task is None:
+            unreplayable += 1
+            continue
+        steps = [Step(r.state, r.action, r.next_state, r.reward, r.done, {}) for r in stored]
+        episode = SyntheticEpisode(task, stored[-1].next_state, trajectory_id, steps, done=stored[-1].done)
+        trajectories.append(record_trajectory(episode))
+    return trajectories, unreplayable
 
 
 def add_to_buffer(buffer: ReplayBuffer, trajectories: Sequence[Trajectory]) -> int:
