@@ -1,6 +1,7 @@
-"""Seed collection: real episodes on training tasks by expert, noisy-expert and random policies.
+"""Seed collection: real episodes on training tasks by expert, noisy-expert, skipping-expert and random policies.
 
-The mix gives the seed set both successes and failures, which the experience model needs to learn rewards.
+The mix gives the seed set both successes and failures, which the experience model needs to learn rewards; the
+skipping expert's failures look like wins up to the last turn, so rewards cannot be learned from length alone.
 Deterministic: task lists, policies' random choices and trajectory ids all derive from params. Resumable: each
 finished episode is appended to a progress file first, so a crash loses at most the episode in flight; the
 progress is resumed only by the same collection (same params, same collection and environment code).
@@ -20,7 +21,7 @@ from components.environments.registry import has_adapter, real_environment
 from components.environments.rollout import run_episode
 from components.files import discard_unless_stamped, sha256_file
 
-SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "random": "random"}
+SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "skipping_expert": "policy", "random": "random"}
 
 
 def collect_environment(params, environment: str, out_path: Path, progress_path: Path,
@@ -29,8 +30,11 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
     kind = real_environment(environment)
     settings = params.collect_seed
     tasks = kind.make_tasks(params.environments, "train", settings.train_tasks, params.seed)
-    plan = [(task, policy, repeat) for task in tasks for policy, count in settings.episodes.model_dump().items()
-            for repeat in range(count)]
+    mix = settings.episodes.model_dump()
+    if kind.skipping_expert is None and mix["skipping_expert"]:
+        log(f"[collect_seed {environment}] no skipping expert for this environment: its episodes are left out")
+        mix["skipping_expert"] = 0
+    plan = [(task, policy, repeat) for task in tasks for policy, count in mix.items() for repeat in range(count)]
     done = _load_progress(progress_path, _fingerprint(params))
     start, fresh = time.monotonic(), 0
     env = kind.open(params.environments)
@@ -44,6 +48,7 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
                 rng = random.Random(zlib.crc32(f"{params.seed}/{trajectory_id}".encode()))
                 policy = {"expert": lambda: kind.expert(env),
                           "noisy_expert": lambda: kind.noisy_expert(env, settings.noisy_epsilon, rng),
+                          "skipping_expert": lambda: kind.skipping_expert(env, rng),
                           "random": lambda: kind.random(env, rng)}[policy_name]()
                 trajectory = run_episode(env, task, policy, max_steps=kind.max_steps(params.environments),
                                          trajectory_id=trajectory_id, source=SOURCE_OF[policy_name])

@@ -94,6 +94,7 @@ class EpisodeMix(Section):
 
     expert: int = Field(ge=0)
     noisy_expert: int = Field(ge=0)
+    skipping_expert: int = Field(0, ge=0, description="the walkthrough with one step left out (TextWorld only)")
     random: int = Field(ge=0)
 
 

@@ -105,7 +105,9 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
     settings = params.collect_seed
     text = (f"# Seed collection\n\n{settings.train_tasks} training tasks per environment; per task "
             f"{settings.episodes.expert} expert, {settings.episodes.noisy_expert} noisy-expert "
-            f"(epsilon {settings.noisy_epsilon}, source `policy`) and {settings.episodes.random} random episode(s). "
+            f"(epsilon {settings.noisy_epsilon}), {settings.episodes.skipping_expert} skipping-expert (one "
+            f"walkthrough step left out; TextWorld only) and {settings.episodes.random} random episode(s); the noisy "
+            f"and skipping experts' source is `policy`. "
             f"Onboard them with `dreamgym data onboard {settings.out_dir}/*.jsonl`.\n\n"
             + _source_table(_by_source(collected))
             + (f"\nSkipped (no real-environment adapter): {', '.join(seed_only)}\n" if seed_only else ""))

@@ -28,6 +28,7 @@ from components.environments.textworld_cooking import (  # noqa: E402
     malformed,
     noisy_expert_policy,
     random_policy,
+    skipping_expert_policy,
 )
 
 HELDOUT = 6
@@ -183,6 +184,31 @@ def test_noisy_expert_stays_on_the_walkthrough_without_noise(env: TextWorldCooki
     noisy = run_episode(env, task, noisy_expert_policy(env, 0.5, random.Random(1)), max_steps=60,
                         trajectory_id="n2", source="expert")
     check_contract(noisy)
+
+
+def test_skipping_expert_leaves_out_one_step_and_loses_without_a_needed_one(env: TextWorldCooking,
+                                                                            heldout: list) -> None:
+    task = heldout[1]
+    env.reset(task)
+    walkthrough = list(env.walkthrough)
+    rng = random.Random(0)
+    policy = skipping_expert_policy(env, rng)
+    outcomes = {}
+    for episode in range(12):  # one policy object, many episodes: each picks its own step to leave out
+        trajectory = run_episode(env, task, policy, max_steps=30, trajectory_id=f"s{episode}", source="policy")
+        check_contract(trajectory)
+        actions = [step.action for step in trajectory.steps]
+        played = actions[:len(walkthrough) - 1]
+        left_out = [a for a in walkthrough if a not in played]
+        assert len(left_out) == 1 and left_out[0] != walkthrough[-1]  # never the final `eat meal`
+        assert played == [a for a in walkthrough if a != left_out[0]]
+        outcomes[left_out[0]] = trajectory.success
+    # leaving out the cooking itself loses; leaving out looking at the inventory still wins, a turn earlier
+    cooking = [a for a in walkthrough if a.split()[0] in ("cook", "prepare")]
+    assert any(action in outcomes for action in cooking), outcomes
+    assert not any(outcomes[action] for action in cooking if action in outcomes)
+    if "inventory" in outcomes:
+        assert outcomes["inventory"]
 
 
 def test_invalid_action_is_a_step(env: TextWorldCooking, heldout: list) -> None:

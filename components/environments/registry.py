@@ -23,6 +23,8 @@ class RealEnvironment:
     noisy_expert: Callable[[Environment, float, random.Random], Policy]
     random: Callable[[Environment, random.Random], Policy]
     max_steps: Callable[[Any], int]
+    # The expert with one step left out, where an environment has one (None: not collected there).
+    skipping_expert: Callable[[Environment, random.Random], Policy] | None = None
 
 
 def _mix(expert: Policy, explorer: Policy, epsilon: float, rng: random.Random) -> Policy:
@@ -45,6 +47,7 @@ def _textworld() -> RealEnvironment:
         noisy_expert=tw.noisy_expert_policy,  # walkthrough-aware: resumes the walkthrough after a detour
         random=lambda env, rng: tw.random_policy(rng),
         max_steps=lambda p: p.textworld.max_steps,
+        skipping_expert=tw.skipping_expert_policy,
     )
 
 
@@ -60,6 +63,7 @@ def _miniwob() -> RealEnvironment:
         noisy_expert=lambda env, epsilon, rng: _mix(mw.expert_policy(), mw.random_policy(rng), epsilon, rng),
         random=lambda env, rng: mw.random_policy(rng),
         max_steps=lambda p: p.miniwob.max_steps,
+        # no skipping expert: a scripted solver plays a left-out action on the next turn, reading the page
     )
 
 
