@@ -74,21 +74,31 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
 
 
 def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
-    """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, the rest
-    ordinary, each kind in file order.
+    """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, up to a
+    quarter look-alikes (`lookalikes`), the rest ordinary, each kind in file order.
 
     Why: outcomes are 2-3% of steps, so the first N steps hold almost none, and reward and done accuracy would only
-    measure "predicts nothing happens". The per-kind rows of the report keep the two kinds apart.
+    measure "predicts nothing happens". Look-alikes test that a reward is earned by the state, not by the command
+    or the turn it comes at. The per-kind rows of the report keep the kinds apart.
     """
-    groups: dict[str, tuple[list[Transition], list[Transition]]] = defaultdict(lambda: ([], []))
+    decoys = {id(t) for t in lookalikes(transitions_)}
+    groups: dict[str, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
     for t in transitions_:
-        outcomes, ordinary = groups[t.task.environment]
-        (outcomes if is_outcome(t.reward, t.done) else ordinary).append(t)
+        outcomes, alike, ordinary = groups[t.task.environment]
+        (outcomes if is_outcome(t.reward, t.done) else alike if id(t) in decoys else ordinary).append(t)
     sample = []
-    for outcomes, ordinary in groups.values():
+    for outcomes, alike, ordinary in groups.values():
         chosen = outcomes[:per_environment // 2]
+        chosen += alike[:per_environment // 4]
         sample += chosen + ordinary[:per_environment - len(chosen)]
     return sample
+
+
+def lookalikes(transitions_: Sequence[Transition]) -> list[Transition]:
+    """Unrewarded, non-terminal transitions whose command earns a reward elsewhere among `transitions_` (same
+    environment): `eat meal` with no meal prepared, which an experience model rewarding by command or by turn wins."""
+    rewarded = {(t.task.environment, t.action) for t in transitions_ if t.reward > 0}
+    return [t for t in transitions_ if not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded]
 
 
 # -------------------------------------------------------------------------------------------------- the metrics
@@ -125,6 +135,7 @@ def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[
     """{environment: metrics, ..., "overall": metrics} for predictions aligned with transitions (module docstring)."""
     if len(transitions_) != len(predictions):
         raise ValueError(f"{len(predictions)} predictions for {len(transitions_)} transitions")
+    decoys = {id(t) for t in lookalikes(transitions_)}
     rows = []
     for t, p in zip(transitions_, predictions):
         rows.append({
@@ -135,6 +146,7 @@ def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[
             "positive": t.reward > 0,
             "done": bool(p.done) == bool(t.done),
             "terminal": bool(t.done),
+            "lookalike": id(t) in decoys,
         })
     if encoder is not None and rows:
         predicted = encoder.encode([p.next_state for p in predictions])
@@ -162,6 +174,7 @@ def _mean(values: list[float]) -> float | None:
 def _aggregate(rows: list[dict[str, Any]], with_embeddings: bool) -> dict[str, Any]:
     positive = [r for r in rows if r["positive"]]
     terminal = [r for r in rows if r["terminal"]]
+    lookalike = [r for r in rows if r["lookalike"]]
     metrics: dict[str, Any] = {
         "n": len(rows),
         "exact_match": _mean([r["exact"] for r in rows]),
@@ -172,6 +185,8 @@ def _aggregate(rows: list[dict[str, Any]], with_embeddings: bool) -> dict[str, A
         "done_accuracy": _mean([r["done"] for r in rows]),
         "terminal_n": len(terminal),
         "terminal_done_accuracy": _mean([r["done"] for r in terminal]),
+        "lookalike_n": len(lookalike),
+        "lookalike_reward_accuracy": _mean([r["reward"] for r in lookalike]),
     }
     if with_embeddings:
         metrics["embedding_similarity"] = _mean([r["cosine"] for r in rows])
@@ -259,7 +274,8 @@ def evaluate(predictors: dict[str, Predictor], transitions_: list[Transition], *
 _COLUMNS = (("n", "n"), ("exact_match", "exact match"), ("token_f1", "token F1"),
             ("embedding_similarity", "embedding sim."), ("reward_accuracy", "reward acc."),
             ("positive_reward_accuracy", "reward acc. (r>0)"), ("done_accuracy", "done acc."),
-            ("terminal_done_accuracy", "done acc. (terminal)"))
+            ("terminal_done_accuracy", "done acc. (terminal)"),
+            ("lookalike_reward_accuracy", "reward acc. (look-alikes)"))
 
 
 def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | None = "Fidelity on held-out real "
@@ -279,6 +295,8 @@ def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | 
                     cells.append(f"{value:.3f} (n={metrics['positive_n']})")
                 elif key == "terminal_done_accuracy" and value is not None:
                     cells.append(f"{value:.3f} (n={metrics['terminal_n']})")
+                elif key == "lookalike_reward_accuracy" and value is not None:
+                    cells.append(f"{value:.3f} (n={metrics['lookalike_n']})")
                 elif value is None:
                     cells.append("–")
                 elif isinstance(value, int) and not isinstance(value, bool):
@@ -287,6 +305,7 @@ def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | 
                     cells.append(f"{value:.3f}")
             lines.append(f"| {name} | {environment} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"Reward accuracy: |predicted − gold| < {reward_tolerance:g}. Rates are fractions in [0, 1]; "
-                 "– marks an empty subset.")
+    lines.append(f"Reward accuracy: |predicted − gold| < {reward_tolerance:g}. Look-alikes: unrewarded steps whose "
+                 "command is rewarded elsewhere in the sample (`eat meal` with no meal). Rates are fractions in "
+                 "[0, 1]; – marks an empty subset.")
     return "\n".join(lines) + "\n"

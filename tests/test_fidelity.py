@@ -19,6 +19,7 @@ from components.fidelity import (
     exact_match,
     fidelity_report,
     heldout_transitions,
+    lookalikes,
     outcomes_first_sample,
     reward_correct,
     score_predictions,
@@ -132,6 +133,22 @@ def test_outcomes_first_sample_keeps_rare_outcomes_and_caps_each_environment():
     assert [t.action for t in tw] == ["eat meal", "eat knife", "look 0", "look 1"]  # outcomes first, half the cap
     assert [t.action for t in sample if t.task.environment == "miniwob"] == ["click 0", "click 1", "click 2"]
     assert [t.action for t in outcomes_first_sample(ordinary + outcomes, 2)] == ["eat meal", "look 0"]
+
+
+
+def test_lookalikes_are_unrewarded_steps_of_a_rewarded_command_and_get_a_quarter_of_the_sample():
+    won = transition("s", "eat meal", "won", 1.0, True, step_index=8)
+    no_meal = transition("s", "eat meal", "You can't see any such thing.", step_index=7)  # the meal never made
+    other_env = transition("p", "eat meal", "p", environment="miniwob", step_index=1)  # not rewarded over there
+    ordinary = [transition("s", f"look {i}", "s", step_index=i) for i in range(10)]
+    assert lookalikes(ordinary + [won, no_meal, other_env]) == [no_meal]
+
+    sample = outcomes_first_sample(ordinary + [no_meal, won], 8)
+    assert [t.action for t in sample] == ["eat meal", "eat meal", "look 0", "look 1", "look 2", "look 3", "look 4",
+                                          "look 5"]  # the outcome, the look-alike (at most 8 // 4), then ordinary
+    scores = score_predictions([won, no_meal], [Guess("won", 1.0, True), Guess("won", 1.0, True)])
+    assert scores[OVERALL]["lookalike_n"] == 1 and scores[OVERALL]["lookalike_reward_accuracy"] == 0.0
+    assert scores[OVERALL]["positive_reward_accuracy"] == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------- baselines
