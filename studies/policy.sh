@@ -38,7 +38,9 @@ OMP_NUM_THREADS=$threads step train_policy_sft train_policy_sft
 OMP_NUM_THREADS=$half step evaluate_sft evaluate_policies --set synthetic_rl.out_dir=none/rl \
   --set sim_to_real.out_dir=none/s2r &
 evaluating=$!
-OMP_NUM_THREADS=$half step synthetic_rl synthetic_rl
+# every thread to RL when the warm start's evaluation was done before (a resumed study)
+rl_threads=$([ -f "$results/evaluate_sft.seconds" ] && echo "$threads" || echo "$half")
+OMP_NUM_THREADS=$rl_threads step synthetic_rl synthetic_rl
 wait "$evaluating"
 OMP_NUM_THREADS=$threads \
 step evaluate_rl evaluate_policies --set policy.sft.out_dir=none/sft --set sim_to_real.out_dir=none/s2r
