@@ -75,17 +75,17 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
 
 def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
     """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, up to a
-    quarter look-alikes (`lookalikes`), the rest ordinary, each kind in file order.
+    quarter look-alikes (`is_lookalike`), the rest ordinary, each kind in file order.
 
     Why: outcomes are 2-3% of steps, so the first N steps hold almost none, and reward and done accuracy would only
     measure "predicts nothing happens". Look-alikes test that a reward is earned by the state, not by the command
     or the turn it comes at. The per-kind rows of the report keep the kinds apart.
     """
-    decoys = {id(t) for t in lookalikes(transitions_)}
+    rewarded = rewarded_commands(transitions_)
     groups: dict[str, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
     for t in transitions_:
         outcomes, alike, ordinary = groups[t.task.environment]
-        (outcomes if is_outcome(t.reward, t.done) else alike if id(t) in decoys else ordinary).append(t)
+        (outcomes if is_outcome(t.reward, t.done) else alike if is_lookalike(t, rewarded) else ordinary).append(t)
     sample = []
     for outcomes, alike, ordinary in groups.values():
         chosen = outcomes[:per_environment // 2]
@@ -94,11 +94,15 @@ def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: i
     return sample
 
 
-def lookalikes(transitions_: Sequence[Transition]) -> list[Transition]:
-    """Unrewarded, non-terminal transitions whose command earns a reward elsewhere among `transitions_` (same
-    environment): `eat meal` with no meal prepared, which an experience model rewarding by command or by turn wins."""
-    rewarded = {(t.task.environment, t.action) for t in transitions_ if t.reward > 0}
-    return [t for t in transitions_ if not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded]
+def rewarded_commands(transitions_: Iterable[Transition]) -> set[tuple[str, str]]:
+    """(environment, action) of every rewarded transition: what `is_lookalike` compares against."""
+    return {(t.task.environment, t.action) for t in transitions_ if t.reward > 0}
+
+
+def is_lookalike(t: Transition, rewarded: set[tuple[str, str]]) -> bool:
+    """An unrewarded, non-terminal step whose command earns a reward elsewhere (`rewarded`, same environment): `eat
+    meal` with no meal prepared, which an experience model rewarding by command or by turn wins."""
+    return not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded
 
 
 # -------------------------------------------------------------------------------------------------- the metrics
@@ -135,7 +139,7 @@ def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[
     """{environment: metrics, ..., "overall": metrics} for predictions aligned with transitions (module docstring)."""
     if len(transitions_) != len(predictions):
         raise ValueError(f"{len(predictions)} predictions for {len(transitions_)} transitions")
-    decoys = {id(t) for t in lookalikes(transitions_)}
+    rewarded = rewarded_commands(transitions_)
     rows = []
     for t, p in zip(transitions_, predictions):
         rows.append({
@@ -146,7 +150,7 @@ def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[
             "positive": t.reward > 0,
             "done": bool(p.done) == bool(t.done),
             "terminal": bool(t.done),
-            "lookalike": id(t) in decoys,
+            "lookalike": is_lookalike(t, rewarded),
         })
     if encoder is not None and rows:
         predicted = encoder.encode([p.next_state for p in predictions])

@@ -19,9 +19,10 @@ from components.fidelity import (
     exact_match,
     fidelity_report,
     heldout_transitions,
-    lookalikes,
+    is_lookalike,
     outcomes_first_sample,
     reward_correct,
+    rewarded_commands,
     score_predictions,
     state_unchanged,
     token_f1,
@@ -135,13 +136,13 @@ def test_outcomes_first_sample_keeps_rare_outcomes_and_caps_each_environment():
     assert [t.action for t in outcomes_first_sample(ordinary + outcomes, 2)] == ["eat meal", "look 0"]
 
 
-
 def test_lookalikes_are_unrewarded_steps_of_a_rewarded_command_and_get_a_quarter_of_the_sample():
     won = transition("s", "eat meal", "won", 1.0, True, step_index=8)
     no_meal = transition("s", "eat meal", "You can't see any such thing.", step_index=7)  # the meal never made
     other_env = transition("p", "eat meal", "p", environment="miniwob", step_index=1)  # not rewarded over there
     ordinary = [transition("s", f"look {i}", "s", step_index=i) for i in range(10)]
-    assert lookalikes(ordinary + [won, no_meal, other_env]) == [no_meal]
+    steps = ordinary + [won, no_meal, other_env]
+    assert [t for t in steps if is_lookalike(t, rewarded_commands(steps))] == [no_meal]
 
     sample = outcomes_first_sample(ordinary + [no_meal, won], 8)
     assert [t.action for t in sample] == ["eat meal", "eat meal", "look 0", "look 1", "look 2", "look 3", "look 4",
