@@ -680,8 +680,8 @@ def _replay_synthetic_episodes(params: Params, root: Path,
     from components.environments.synthetic import episodes_from_buffer
     from components.evaluation import outcome_agreement, replay_in_real
 
-    buffer_dir = root / params.synthetic_rl.out_dir / "replay_buffer"
-    if not buffer_dir.is_dir():
+    buffer_dir = Path(params.synthetic_rl.out_dir) / "replay_buffer"  # under root, as _saved_buffer takes it
+    if not (root / buffer_dir).is_dir():
         return {}, [], ""
     buffer = _saved_buffer(params, root, buffer_dir)
     if buffer.backend != "embedded":
