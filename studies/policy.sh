@@ -35,7 +35,7 @@ half=$(( threads > 1 ? threads / 2 : 1 ))
 OMP_NUM_THREADS=$threads step train_policy_sft train_policy_sft
 # The later steps must use the warm start this study trained and scored: a resumed study (or one whose SFT steps
 # were copied in) with another model in models/policy/sft, e.g. after a `dvc checkout`, stops here.
-warm_start=$(cat models/policy/sft/model/*.safetensors | sha256sum | cut -d' ' -f1)
+warm_start=$(python -c 'from components.files import directory_sha256; print(directory_sha256("models/policy/sft/model"))')
 if [ ! -f "$results/warm_start.sha256" ]; then echo "$warm_start" > "$results/warm_start.sha256"
 elif [ "$(cat "$results/warm_start.sha256")" != "$warm_start" ]; then
   echo "models/policy/sft/model is not the warm start of $results (warm_start.sha256); put that one back" >&2
