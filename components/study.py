@@ -89,6 +89,20 @@ def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Pat
     return Path(run_dir)
 
 
+def is_finished(run_dir: str | Path, profile: str) -> bool:
+    """Whether `run_dir` holds a finished run, which a study keeps and skips. One finished at another named profile
+    is an error: its numbers would be pooled with this profile's (profiles set their own study.results_dir)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "evaluate_policies.json").is_file():
+        return False
+    kept = _read(run_dir / RUN_RECORD).get("profile", "custom")
+    if "custom" not in (kept, profile) and kept != profile:
+        raise ParamsError(f"{run_dir}: finished at profile {kept!r}, but params.yaml is at profile {profile!r}. Set "
+                          f"study.results_dir to this profile's folder (`dreamgym params use {profile}` does), or "
+                          f"delete {run_dir} to run it again")
+    return True
+
+
 @dataclass(frozen=True)
 class Run:
     """One finished run of the study, as kept in `RESULTS_DIR/<variant>-seed<k>/`."""
@@ -289,8 +303,8 @@ def report(results_dir: str | Path, confidence: float = 0.95,
     results_dir = Path(results_dir)
     runs = finished_runs(results_dir)
     metrics, table = aggregate(runs, confidence)
-    bars = success_plot(metrics, results_dir / "results.png")
-    curves = learning_curves_plot(runs, results_dir / "learning_curves.png")
+    bars = success_plot(metrics, results_dir / "results_study.png")
+    curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
             f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs).\n\n{table}"

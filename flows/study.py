@@ -7,6 +7,7 @@ warm start, sim-to-real variants the cached synthetic RL), each finished run's m
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from components import study
 from components.config import active_profile, load_params
-from components.reports import metrics_path, write_csv, write_stage_outputs
+from components.reports import metrics_path, report_path, write_csv, write_stage_outputs
 from components.stages import StageError
 from flows.pipeline import PARAMS, run_logged
 
@@ -42,6 +43,8 @@ def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) ->
     results_dir.mkdir(parents=True, exist_ok=True)  # no run may have finished yet
     (results_dir / "README.md").write_text(text, encoding="utf-8")
     write_stage_outputs("results_study", metrics, text)
+    for image in results_dir.glob("results_study*.png"):  # beside reports/results_study.md, whose links name them
+        shutil.copy(image, report_path("results_study").with_name(image.name))
     write_csv(study.flat_rows(metrics), metrics_path("results_study").with_suffix(".csv"))
     create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
     get_run_logger().info("results study: %s (metrics/results_study.json, artifact results-study)",
@@ -56,14 +59,14 @@ def results_study_flow() -> dict:
     A run that fails does not stop the others (a study is hours of runs): the table is made from those that
     finished, and the flow fails at the end naming the failed runs, which a rerun tries again.
     """
-    params = load_params(PARAMS)
+    params, profile = load_params(PARAMS), active_profile(PARAMS)
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
     failed = []
     for seed in settings.seeds:
         for variant in study.select_variants(tuple(settings.algorithms), settings.variants):
             name, run_dir = f"{variant.name}-seed{seed}", results_dir / f"{variant.name}-seed{seed}"
-            if (run_dir / "evaluate_policies.json").is_file():
+            if study.is_finished(run_dir, profile):
                 continue
             state = run_variant(name, study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share),
                                 run_dir, return_state=True)

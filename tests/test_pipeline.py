@@ -297,7 +297,8 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     assert metrics["DreamGym (GRPO) w/o curriculum"][simulated]["episodes"] == 1
     readme = (results / "README.md").read_text()
     assert "The curriculum helps" in readme and "| no-curriculum-seed0 | custom |" in readme
-    assert (results / "learning_curves.png").stat().st_size > 1000
+    assert (results / "results_study_curves.png").stat().st_size > 1000
+    assert (onboarded / "reports" / "results_study_curves.png").is_file()  # beside reports/results_study.md
     assert (onboarded / "params.yaml").read_text() == params_before
     with get_client(sync_client=True) as client:
         published = [a.data for a in client.read_artifacts() if a.key == "results-study"]

@@ -11,6 +11,7 @@ from components.study import (
     aggregate,
     claim_verdicts,
     finished_runs,
+    is_finished,
     keep_run,
     report,
     run_overrides,
@@ -137,4 +138,18 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
     assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 |" in text
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
-    assert (results / "learning_curves.png").stat().st_size > 1000 and "learning_curves.png" in text
+    assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
+
+
+def test_a_finished_run_is_skipped_at_its_own_profile_and_refused_at_another(tmp_path):
+    """A study pools the runs of its results folder, so a run finished at the quick profile must not count as a cpu
+    run: the study stops and names the folder and the fix. "custom" params cannot be told apart: trusted."""
+    run_dir = tmp_path / "dreamgym-grpo-seed0"
+    assert not is_finished(run_dir, "cpu")  # never ran
+    (run_dir).mkdir()
+    (run_dir / "evaluate_policies.json").write_text("{}")
+    (run_dir / "run.json").write_text(json.dumps({"profile": "quick"}))
+
+    assert is_finished(run_dir, "quick") and is_finished(run_dir, "custom")
+    with pytest.raises(ParamsError, match=r"seed0: finished at profile 'quick'.*'cpu'.*study.results_dir"):
+        is_finished(run_dir, "cpu")
