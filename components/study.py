@@ -258,12 +258,22 @@ def runs_table(runs: list[Run]) -> str:
             f"{(synthetic.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
             synthetic.get("iterations", "-"), synthetic.get("synthetic_transitions", "-"),
             f"{synthetic['experience_model']['fallback_rate']:.0%}" if "experience_model" in synthetic else "-",
+            _confirmed_wins(run) if synthetic else "-",
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
             run.sim_to_real.get("real_transitions_used", 0)])
     return markdown_table(["run", "profile", "commit", "wall time (min)", "RL stages' time (min)",
-                           "synthetic RL iterations",
-                           "synthetic transitions", "simulator fallbacks", "sim-to-real from",
-                           "real RL iterations", "real transitions"], rows)
+                           "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
+                           "synthetic wins the real game confirms", "sim-to-real from", "real RL iterations",
+                           "real transitions"], rows)
+
+
+def _confirmed_wins(run: Run) -> str:
+    """Of the episodes synthetic RL won inside the experience model, how many win when their actions are replayed in
+    the real environment (evaluate_policies' replay audit): how far the simulator's rewards can be trusted."""
+    audits = run.evaluated.get("synthetic_replay", {}).values()
+    if not audits:
+        return "-"
+    return f"{sum(a['both'] for a in audits)}/{sum(a['synthetic_successes'] for a in audits)}"
 
 
 def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:

@@ -115,7 +115,9 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     metrics_dir.mkdir()
     (metrics_dir / "evaluate_policies.json").write_text(json.dumps(
         {"sft_warm_start": {tw: _evaluation(1, 4)}, "synthetic_grpo": {tw: _evaluation(2, 4)},
-         "sim-to-real": {tw: _evaluation(3, 4)}}))
+         "sim-to-real": {tw: _evaluation(3, 4)},
+         "synthetic_replay": {tw: {"episodes": 8, "synthetic_successes": 3, "real_successes": 1, "both": 1,
+                                   "synthetic_only": 2, "real_only": 0, "unreplayable": 0}}}))
     (metrics_dir / "synthetic_rl.json").write_text(json.dumps({"iterations": 2, "synthetic_transitions": 32,
                                                                    "seconds": 240.0}))
     (metrics_dir / "sim_to_real.json").write_text(json.dumps(
@@ -136,7 +138,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
-    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 |" in text
+    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 | - | 1/3 |" in text  # replay audit
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
 
