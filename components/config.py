@@ -111,6 +111,8 @@ class EvaluateParams(Section):
     heldout_tasks: int = Field(gt=0, description="held-out tasks per environment")
     workers: int = Field(ge=1, description="environments stepped in parallel")
     confidence: float = Field(gt=0, lt=1)
+    policies: list[Literal["train_policy_sft", "synthetic_rl", "sim_to_real"]] = Field(
+        min_length=1, description="the policies evaluate_policies plays, by the stage that trains them")
 
 
 class WeaviateParams(Section):

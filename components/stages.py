@@ -594,10 +594,11 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
     root, fmt = Path(root), _policy_format(params)
     rl_label = f"synthetic {params.synthetic_rl.algorithm}"
-    candidates = {"sft warm start": root / params.policy.sft.out_dir / "model",
-                  rl_label: root / params.synthetic_rl.out_dir / "model",
-                  "sim-to-real": root / params.sim_to_real.out_dir / "model"}
-    candidates = {label: path for label, path in candidates.items() if sft.has_trained_model(path)}
+    candidates = {"sft warm start": ("train_policy_sft", root / params.policy.sft.out_dir / "model"),
+                  rl_label: ("synthetic_rl", root / params.synthetic_rl.out_dir / "model"),
+                  "sim-to-real": ("sim_to_real", root / params.sim_to_real.out_dir / "model")}
+    candidates = {label: path for label, (stage, path) in candidates.items()
+                  if stage in params.evaluate.policies and sft.has_trained_model(path)}
     heldout = _heldout_demonstrations(params, root)
     environments = [name for name in params.policy.environments if has_adapter(name)]
     skipped = [name for name in params.policy.environments if not has_adapter(name)]

@@ -32,6 +32,13 @@ class Variant:
     rows: dict[str, str]  # evaluate_policies label -> the method (row of the table) it stands for
     real_budget: str  # which budget sim_to_real gets: "s2r" (s2r_share x B) or "full" (B)
 
+    @property
+    def policies(self) -> list[str]:
+        """The policies its run evaluates (evaluate.policies, by training stage): its rows' only, as each held-out
+        evaluation costs minutes on a CPU (the warm start is played once per seed, in the DreamGym runs)."""
+        stages = {"sft_warm_start": "train_policy_sft", "sim-to-real": "sim_to_real"}
+        return sorted({stages.get(label, "synthetic_rl") for label in self.rows})
+
 
 def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant]:
     """The runs that fill the table, per algorithm, then the three ablations (on GRPO, as in the paper)."""
@@ -57,9 +64,11 @@ def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant
 
 
 def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: float) -> dict[str, Any]:
-    """Every param a variant's run sets: its own, the seed, and the real budget of its sim-to-real stage."""
+    """Every param a variant's run sets: its own, the seed, the real budget of its sim-to-real stage and the policies
+    it evaluates."""
     budget = real_budget if variant.real_budget == "full" else int(s2r_share * real_budget)
-    return {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget}
+    return {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget,
+            "evaluate.policies": variant.policies}
 
 
 # kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs

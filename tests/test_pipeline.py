@@ -291,6 +291,8 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     record = json.loads((results / "no-curriculum-seed0" / "run.json").read_text())
     assert record["params_set"]["synthetic_rl.curriculum.enabled"] is False and record["profile"] == "custom"
     assert record["seconds"] > 0 and len(record["commit"]) == 40
+    ablation = json.loads((results / "no-curriculum-seed0" / "evaluate_policies.json").read_text())
+    assert "synthetic_grpo" in ablation and "sft_warm_start" not in ablation  # only its row is played
     simulated = "demo-kitchen (simulated)"  # a seed-only domain: policies are scored inside the experience model
     # no DreamGym-S2R row: sim-to-real skips a domain with no real environment
     assert set(metrics) == {"SFT only", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum"}

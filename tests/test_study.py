@@ -41,7 +41,10 @@ def test_budgets_follow_the_variant():
     by_name = {v.name: v for v in variants()}
     assert run_overrides(by_name["real-grpo"], 1, 160, 0.1) == {
         "synthetic_rl.algorithm": "grpo", "sim_to_real.start_from": "sft", "seed": 1,
-        "sim_to_real.real_transitions": 160}
+        "sim_to_real.real_transitions": 160, "evaluate.policies": ["sim_to_real"]}
+    assert run_overrides(by_name["dreamgym-grpo"], 0, 160, 0.1)["evaluate.policies"] == [
+        "sim_to_real", "synthetic_rl", "train_policy_sft"]
+    assert by_name["no-retrieval"].policies == ["synthetic_rl"]  # an ablation's one row: its synthetic RL policy
     assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["sim_to_real.real_transitions"] == 16
     assert run_overrides(by_name["no-curriculum"], 0, 160, 0.1)["synthetic_rl.curriculum.enabled"] is False
     assert [v.name for v in variants(("grpo",))] == ["dreamgym-grpo", "real-grpo", "no-curriculum", "no-retrieval",
