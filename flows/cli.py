@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "datasets", "filelock", "faiss"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if differing := _code_elsewhere():
+        print(f"error: this checkout's code differs from the code Python imports ({', '.join(differing[:3])}), so "
+              "its stages and flows would run other code than they record. Install this checkout "
+              "(`make setup` or `pip install -e .`), or run with PYTHONPATH=$PWD", file=sys.stderr)
+        return EXIT_UNUSABLE
     try:
         params = load_params(args.params, _overrides(args.set))
     except ParamsError as error:
@@ -97,6 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     print(f"{args.params}: ok")
     return EXIT_OK
+
+
+def _code_elsewhere() -> list[str]:
+    """When the working directory is a checkout of this project whose code is not the code Python imported (a clone
+    sharing a virtual environment installed from another checkout), the files that differ; else none. DVC hashes
+    the checkout's files as the stages' dependencies, so they must be what runs. A project directory with no
+    `components/` of its own runs the installed package, as it should."""
+    imported, here = Path(sys.modules["components"].__file__).resolve().parent.parent, Path.cwd().resolve()
+    if imported == here or not (here / "components" / "__init__.py").is_file():
+        return []
+    files = {path.relative_to(root).as_posix() for root in (imported, here) for package in ("components", "flows")
+             for path in (root / package).rglob("*.py")}
+    return sorted(name for name in files if not (imported / name).is_file() or not (here / name).is_file()
+                  or (imported / name).read_bytes() != (here / name).read_bytes())
 
 
 def _overrides(items: list[str]) -> dict:

@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,24 @@ def test_a_curriculum_that_could_never_play_a_generated_task_is_refused():
         parse_params(tree)
     tree["synthetic_rl"]["curriculum"]["enabled"] = False  # the ablation: nothing to play, nothing refused
     assert parse_params(tree).synthetic_rl.tasks_per_iteration == 1
+
+
+def test_cli_refuses_a_checkout_whose_code_python_does_not_import(tmp_path, monkeypatch, capsys):
+    """A clone that shares another checkout's virtual environment would run that checkout's code while DVC hashes
+    its own files: the command stops and says how to run this checkout's code. Identical code (the tests' project
+    copies) and a project directory without `components/` run as usual."""
+    from flows.cli import main
+
+    repo = Path(__file__).resolve().parent.parent
+    clone = tmp_path / "clone"
+    for package in ("components", "flows"):
+        shutil.copytree(repo / package, clone / package)
+    monkeypatch.chdir(clone)
+    assert main(["--params", str(REPO_PARAMS), "params", "check"]) == 0  # the same code
+
+    stages = clone / "components" / "stages.py"
+    stages.write_text(stages.read_text() + "\n# changed in this clone\n")
+    assert main(["--params", str(REPO_PARAMS), "params", "check"]) == 2
+    assert "code differs from the code Python imports (components/stages.py)" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no components/ here: the installed package is the code
+    assert main(["--params", str(REPO_PARAMS), "params", "check"]) == 0
