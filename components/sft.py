@@ -86,7 +86,10 @@ class TrainingResult:
     train_loss: float | None  # mean of the logged losses over the whole run, resumed steps included
     final_loss: float | None  # the last logged loss
     resumed_from: str | None
-    seconds: float
+    seconds: float  # training time over every invocation of the run, resumed ones included
+
+
+SECONDS_FILE = "training_seconds.txt"  # in each checkpoint: the training time up to it, earlier invocations included
 
 
 def train_sft(
@@ -137,7 +140,7 @@ def train_sft(
         trained, tokenizer = load_trained_model(resume)
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
-                              resume, 0.0)
+                              resume, _seconds_until(resume))
 
     args = SFTConfig(
         output_dir=str(checkpoints),
@@ -170,16 +173,15 @@ def train_sft(
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[_progress_log()],
+        callbacks=[progress := _progress_log(_seconds_until(resume))],
     )
 
     if resume:
         log.info("resuming from %s", resume)
-    started = time.monotonic()
     trainer.train(resume_from_checkpoint=resume)
     model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
-                          *_losses(trainer.state.log_history), resume, time.monotonic() - started)
+                          *_losses(trainer.state.log_history), resume, progress.seconds())
 
 
 def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -257,13 +259,30 @@ def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings) 
     return digest.hexdigest()
 
 
-def _progress_log() -> Any:
-    """A TrainerCallback that logs step, loss, learning rate and ETA (the pace of this run, resumed steps excluded)."""
+def _seconds_until(checkpoint: str | None) -> float:
+    """The training time recorded in `checkpoint` (0 without one, or for a checkpoint older than SECONDS_FILE)."""
+    path = Path(checkpoint) / SECONDS_FILE if checkpoint else None
+    return float(path.read_text()) if path is not None and path.is_file() else 0.0
+
+
+def _progress_log(earlier_seconds: float = 0.0) -> Any:
+    """A TrainerCallback that logs step, loss, learning rate and ETA (the pace of this run, resumed steps excluded)
+    and writes the training time so far, `earlier_seconds` included, into every checkpoint it saves."""
     from transformers import TrainerCallback  # here, not at module level: importing transformers takes seconds
 
     class ProgressLog(TrainerCallback):
+        start = time.monotonic()
+
+        def seconds(self) -> float:
+            return earlier_seconds + time.monotonic() - self.start
+
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.start, self.first_step = time.monotonic(), state.global_step
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if checkpoint.is_dir():  # the trainer saves the checkpoint, then calls on_save
+                (checkpoint / SECONDS_FILE).write_text(f"{self.seconds():.1f}\n", encoding="utf-8")
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:

@@ -449,6 +449,8 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
     assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-2")
     assert again.global_step == 2 and not (tmp_path / "exp" / "checkpoints" / "checkpoint-3").exists()
     assert (again.train_loss, again.final_loss) == (result.train_loss, result.final_loss)  # the same run's losses
+    # and its training time, read from the checkpoint (this invocation trained nothing)
+    assert 0 < again.seconds == float((checkpoint / "training_seconds.txt").read_text()) <= result.seconds
     load_trained_model(again.model_dir)
 
 
