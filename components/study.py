@@ -203,7 +203,7 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
             "generated_tasks_mean": _mean(entry["generated_tasks"]) if entry["generated_tasks"] else None}
         rows.append([method, environment, f"{m['success_rate']:.2f} [{low:.2f}, {high:.2f}]", f"{k}/{n}",
                      len(entry["seeds"]), f"{m['real_transitions_mean']:.0f}",
-                     f"{m['synthetic_transitions_mean']:.0f}", "-" if not fallbacks else f"{_mean(fallbacks):.0%}"])
+                     f"{m['synthetic_transitions_mean']:.0f}", "-" if not fallbacks else _percent(_mean(fallbacks))])
     table = markdown_table(["method", "environment", f"held-out success [{confidence:.0%} CI]", "wins",
                             "seeds", "real transitions (RL)", "synthetic transitions", "simulator fallbacks"], rows)
     return metrics, table
@@ -272,7 +272,7 @@ def runs_table(runs: list[Run]) -> str:
             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
             f"{(synthetic.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
             synthetic.get("iterations", "-"), synthetic.get("synthetic_transitions", "-"),
-            f"{synthetic['experience_model']['fallback_rate']:.0%}" if "experience_model" in synthetic else "-",
+            _percent(synthetic["experience_model"]["fallback_rate"]) if "experience_model" in synthetic else "-",
             _confirmed_wins(run) if synthetic else "-",
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
             run.sim_to_real.get("real_transitions_used", 0)])
@@ -365,6 +365,11 @@ def success_plot(metrics: dict[str, Any], path: str | Path) -> Path | None:
 
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _percent(rate: float) -> str:
+    """A rate as a percentage; one decimal under 1%, where a whole number would read as none (1 of 601 is 0.2%)."""
+    return f"{rate:.1%}" if 0 < rate < 0.01 else f"{rate:.0%}"
 
 
 def _mean(values: list[float]) -> float:

@@ -129,7 +129,8 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
          "synthetic_replay": {tw: {"episodes": 8, "synthetic_successes": 3, "real_successes": 1, "both": 1,
                                    "synthetic_only": 2, "real_only": 0, "unreplayable": 0}}}))
     (metrics_dir / "synthetic_rl.json").write_text(json.dumps({"iterations": 2, "synthetic_transitions": 32,
-                                                                   "seconds": 240.0}))
+                                                                   "seconds": 240.0,
+                                                                   "experience_model": {"fallback_rate": 1 / 601}}))
     (metrics_dir / "sim_to_real.json").write_text(json.dumps(
         {"start_from": "synthetic_rl", "iterations": 1, "real_transitions_used": 16, "seconds": 60.0}))
     (metrics_dir / "synthetic_rl_iterations.csv").write_text(
@@ -148,7 +149,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
-    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 | - | 1/3 |" in text  # replay audit
+    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
 
