@@ -281,8 +281,8 @@ def _progress_log(earlier_seconds: float = 0.0) -> Any:
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if checkpoint.is_dir():  # the trainer saves the checkpoint, then calls on_save
-                (checkpoint / SECONDS_FILE).write_text(f"{self.seconds():.1f}\n", encoding="utf-8")
+            if checkpoint.is_dir():  # the trainer saves the checkpoint, then calls on_save; unrounded, as resumes add
+                (checkpoint / SECONDS_FILE).write_text(f"{self.seconds()!r}\n", encoding="utf-8")
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
