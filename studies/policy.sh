@@ -41,17 +41,16 @@ elif [ "$(cat "$results/warm_start.sha256")" != "$warm_start" ]; then
   echo "models/policy/sft/model is not the warm start of $results (warm_start.sha256); put that one back" >&2
   exit 1
 fi
-# Evaluating the warm start and training RL need nothing of each other: half the threads each. evaluate_policies
-# scores every policy whose model exists; pointing the other out_dirs at nothing leaves one.
-OMP_NUM_THREADS=$half step evaluate_sft evaluate_policies --set synthetic_rl.out_dir=none/rl \
-  --set sim_to_real.out_dir=none/s2r &
+# Evaluating the warm start and training RL need nothing of each other: half the threads each. evaluate.policies
+# picks the one policy each evaluation scores.
+OMP_NUM_THREADS=$half step evaluate_sft evaluate_policies --set "evaluate.policies=[train_policy_sft]" &
 evaluating=$!
 # every thread to RL when the warm start's evaluation was done before (a resumed study)
 rl_threads=$([ -f "$results/evaluate_sft.seconds" ] && echo "$threads" || echo "$half")
 OMP_NUM_THREADS=$rl_threads step synthetic_rl synthetic_rl
 wait "$evaluating"
 OMP_NUM_THREADS=$threads \
-step evaluate_rl evaluate_policies --set policy.sft.out_dir=none/sft --set sim_to_real.out_dir=none/s2r
+step evaluate_rl evaluate_policies --set "evaluate.policies=[synthetic_rl]"
 cp metrics/synthetic_rl_iterations.csv reports/synthetic_rl.png "$results/"
 printf '%s\n' "studies/policy.sh $epochs $iterations $results" "${study[@]}" > "$results/command.txt"
 echo "== done: $results"
