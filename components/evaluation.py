@@ -66,6 +66,12 @@ class EvaluationResult:
                 "success_ci_low": self.success_ci_low, "success_ci_high": self.success_ci_high,
                 "mean_return": self.mean_return, "mean_steps": self.mean_steps, "wall_s": round(self.wall_s, 2)}
 
+    def games(self, policy: str, environment: str | None = None) -> list[dict[str, Any]]:
+        """One row per game played, for pairing policies game by game (every policy plays the same held-out
+        tasks, greedily, so two policies differ exactly on the games one won and the other lost)."""
+        return [{"policy": policy, "environment": environment or self.environment, "task_id": t.task.task_id,
+                 "won": int(t.success), "steps": len(t.steps)} for t in self.trajectories]
+
 
 def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task],
                     make_policy: Callable[[Environment], Policy], *, workers: int, confidence: float, name: str,

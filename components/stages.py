@@ -27,12 +27,13 @@ from components.contract import (
     write_trajectories,
 )
 from components.onboarding import OnboardingResult, onboard, version_with_dvc
-from components.reports import markdown_table, metrics_path, report_path, write_stage_outputs
+from components.reports import markdown_table, metrics_path, report_path, write_csv, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
 log = logging.getLogger(__name__)
 PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # evaluate_experience_model's
 EPISODES_FILE = "reports/evaluate_policies_episodes.jsonl"  # evaluate_policies' episodes, to replay failures
+GAMES_FILE = "reports/evaluate_policies_games.csv"  # one row per policy and held-out game: the study pairs them
 
 
 class StageError(RuntimeError):
@@ -610,7 +611,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                  for name in skipped}
     simulators = _synthetic_environments(params, root, _saved_buffer(params, root), skipped)[0] if skipped else []
     metrics: dict[str, Any] = {"skipped": skipped}
-    rows, episodes = [], []
+    rows, episodes, games = [], [], []
     for label, model_dir in candidates.items():
         model, tokenizer = sft.load_trained_model(model_dir)
         entry: dict[str, Any] = {}
@@ -624,6 +625,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                      name=label.replace(" ", "-"), max_steps=params.policy.max_turns)
             entry[name] = result.metrics()
             episodes += result.trajectories
+            games += result.games(label.replace(" ", "_"))
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([name, label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
@@ -637,6 +639,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                             confidence=params.evaluate.confidence, name=label)
             entry[f"{env.name} (simulated)"] = result.metrics()
             episodes += result.trajectories
+            games += result.games(label.replace(" ", "_"), f"{env.name} (simulated)")
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([f"{env.name} (in the experience model)", label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
@@ -663,12 +666,13 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
             + f"\nClosed loop: each policy plays {params.policy.eval_tasks} held-out real tasks per environment once "
               f"(greedy, at most {params.policy.max_turns} turns); Wilson intervals. Next-action accuracy is "
               f"teacher-forced on {len(heldout)} held-out seed episodes.{provenance} Every episode, step by step: "
-              f"`{EPISODES_FILE}`.\n"
+              f"`{EPISODES_FILE}`; each game's outcome: `{GAMES_FILE}`.\n"
             + (f"\nNo real-environment adapter (seed-only domains): {', '.join(skipped)}. Their held-out seed tasks "
                "are played inside the experience model instead: that success is the simulator's verdict, a check "
                "of the policy against the learned dynamics, not of the application.\n" if skipped else "")
             + replayed)
     write_trajectories(episodes, root / EPISODES_FILE)
+    write_csv(games, root / GAMES_FILE)
     write_stage_outputs("evaluate_policies", metrics, text, root)
     return metrics
 

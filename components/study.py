@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from itertools import accumulate
@@ -74,6 +75,7 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
 # kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs
 RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
              "sim_to_real_iterations.csv")
+GAMES_FILE = "evaluate_policies_games.csv"  # kept from reports/: each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
 
 
@@ -87,13 +89,15 @@ def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[s
     return [v for v in every if not names or v.name in names]
 
 
-def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Path = "metrics") -> Path:
-    """Copy a finished run's RUN_FILES and its record into `run_dir`, whole or not at all (a rerun replaces it)."""
+def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Path = "metrics",
+             reports_dir: str | Path = "reports") -> Path:
+    """Copy a finished run's RUN_FILES, GAMES_FILE and its record into `run_dir`, whole or not at all (a rerun
+    replaces it)."""
     with atomic_directory(Path(run_dir), replace=True) as partial:
-        for file_name in RUN_FILES:
-            source = Path(metrics_dir) / file_name
+        sources = [Path(metrics_dir) / name for name in RUN_FILES] + [Path(reports_dir) / GAMES_FILE]
+        for source in sources:
             if source.is_file():
-                shutil.copy(source, partial / file_name)
+                shutil.copy(source, partial / source.name)
         (partial / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return Path(run_dir)
 
@@ -122,6 +126,7 @@ class Run:
     sim_to_real: dict[str, Any]
     synthetic_rl: dict[str, Any]
     record: dict[str, Any]  # run.json (empty for runs kept before it existed)
+    games: dict[tuple[str, str], dict[str, bool]]  # (policy label, environment) -> task id -> won; {} if not kept
 
     def from_synthetic_rl(self, label: str) -> bool:
         """Whether the policy evaluated under `label` descends from this run's synthetic RL."""
@@ -153,8 +158,30 @@ def finished_runs(results_dir: str | Path) -> list[Run]:
         if name in known and seed.isdigit() and (path / "evaluate_policies.json").is_file():
             runs.append(Run(path, known[name], int(seed), _read(path / "evaluate_policies.json"),
                             _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
-                            _read(path / RUN_RECORD)))
+                            _read(path / RUN_RECORD), _read_games(path / GAMES_FILE)))
     return runs
+
+
+def _read_games(path: Path) -> dict[tuple[str, str], dict[str, bool]]:
+    games: dict[tuple[str, str], dict[str, bool]] = {}
+    if path.is_file():
+        with path.open(encoding="utf-8") as handle:
+            for row in csv.DictReader(handle):
+                games.setdefault((row["policy"], row["environment"]), {})[row["task_id"]] = row["won"] == "1"
+    return games
+
+
+def _method_results(runs: list[Run]):
+    """(run, policy label, method, environment, result) for each method's held-out evaluation, once per seed: the
+    same warm start is evaluated in every DreamGym run of a seed, and counts once."""
+    counted = set()
+    for run in runs:
+        for label, method in run.variant.rows.items():
+            for environment, result in run.evaluated.get(label, {}).items():
+                if environment == "next_action" or (method, environment, run.seed) in counted:
+                    continue
+                counted.add((method, environment, run.seed))
+                yield run, label, method, environment, result
 
 
 def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any], str]:
@@ -166,26 +193,20 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
     fallback rate is given too: replies that could not be parsed and were replaced by "state unchanged").
     """
     pooled: dict[tuple[str, str], dict[str, Any]] = {}  # (method, environment) -> counts
-    counted = set()  # (method, environment, seed): the warm start is evaluated in every DreamGym run of a seed
-    for run in runs:
-        for label, method in run.variant.rows.items():
-            synthetic = run.synthetic_rl if run.from_synthetic_rl(label) else {}
-            for environment, result in run.evaluated.get(label, {}).items():
-                if environment == "next_action" or (method, environment, run.seed) in counted:
-                    continue
-                counted.add((method, environment, run.seed))
-                entry = pooled.setdefault((method, environment), {
-                    "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": [],
-                    "fallback_rates": [], "generated_tasks": []})
-                entry["episodes"] += result["episodes"]
-                entry["successes"] += result["successes"]
-                entry["seeds"].append(run.seed)
-                entry["real_transitions"].append(
-                    run.sim_to_real.get("real_transitions_used", 0) if label == "sim-to-real" else 0)
-                entry["synthetic_transitions"].append(synthetic.get("synthetic_transitions", 0))
-                if synthetic:
-                    entry["fallback_rates"].append(synthetic.get("experience_model", {}).get("fallback_rate", 0.0))
-                    entry["generated_tasks"].append(synthetic.get("curriculum", {}).get("accepted", 0))
+    for run, label, method, environment, result in _method_results(runs):
+        synthetic = run.synthetic_rl if run.from_synthetic_rl(label) else {}
+        entry = pooled.setdefault((method, environment), {
+            "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": [],
+            "fallback_rates": [], "generated_tasks": []})
+        entry["episodes"] += result["episodes"]
+        entry["successes"] += result["successes"]
+        entry["seeds"].append(run.seed)
+        entry["real_transitions"].append(
+            run.sim_to_real.get("real_transitions_used", 0) if label == "sim-to-real" else 0)
+        entry["synthetic_transitions"].append(synthetic.get("synthetic_transitions", 0))
+        if synthetic:
+            entry["fallback_rates"].append(synthetic.get("experience_model", {}).get("fallback_rate", 0.0))
+            entry["generated_tasks"].append(synthetic.get("curriculum", {}).get("accepted", 0))
     order = [method for v in variants() for method in v.rows.values()]
     metrics: dict[str, Any] = {}
     rows = []
@@ -209,6 +230,28 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
     return metrics, table
 
 
+def paired_games(runs: list[Run]) -> dict[tuple[str, str], dict[tuple[int, str], bool]]:
+    """(method, environment) -> (seed, task id) -> won, for the methods whose every counted run kept its games
+    (GAMES_FILE): the same episodes `aggregate` pools, game by game."""
+    games: dict[tuple[str, str], dict[tuple[int, str], bool]] = {}
+    incomplete = set()
+    for run, label, method, environment, _ in _method_results(runs):
+        outcomes = run.games.get((label, environment))
+        if outcomes is None:
+            incomplete.add((method, environment))
+        else:
+            games.setdefault((method, environment), {}).update(
+                {(run.seed, task_id): won for task_id, won in outcomes.items()})
+    return {key: value for key, value in games.items() if key not in incomplete}
+
+
+def sign_test(a_only: int, b_only: int) -> float:
+    """Exact two-sided p-value of McNemar's test: of the games exactly one of two policies won, is A's share
+    different from half? (Binomial(a_only + b_only, 1/2); 1.0 when no game tells them apart.)"""
+    n, k = a_only + b_only, min(a_only, b_only)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
 # The paper's claims as comparisons of two table rows: (claim, method A, method B, kind). "better": A beats B;
 # "not worse": A does at least as well as B; "better with generated tasks": "better", testable only if A's curriculum
 # accepted a generated task (else A played the ablation's schedule, episode for episode). {A} is the algorithm; the
@@ -225,9 +268,18 @@ CLAIMS = (
 )
 
 
-def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> str:
-    """Each claim of the paper against our table, as a markdown table; a difference counts only when the two
-    rows' confidence intervals do not overlap (conservative: with a few held-out games most claims stay open)."""
+def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
+                   games: dict[tuple[str, str], dict[tuple[int, str], bool]] | None = None,
+                   confidence: float = 0.95) -> str:
+    """Each claim of the paper against our table, as a markdown table.
+
+    Where both rows kept their games (`paired_games`), the two methods are compared on the held-out games both
+    played: a difference counts when the exact sign test on the games only one of them won gives p < 1 -
+    confidence. Both play the same games greedily, so pairing removes the games' own difficulty, which two
+    unpaired intervals carry twice. Otherwise a difference counts only when the Wilson intervals are apart (far
+    more conservative: with 22 games, 6 wins against 16). One test per claim, not corrected for the number of claims.
+    """
+    games = games or {}
     rows = []
     seen = set()
     for algorithm in algorithm_names:
@@ -238,18 +290,36 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
             seen.add((a, b))
             for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
                 ra, rb = metrics[a][environment], metrics[b][environment]
+                pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
                 rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}",
-                             f"{b}: {rb['successes']}/{rb['episodes']}", _verdict(ra, rb, kind)])
+                             f"{b}: {rb['successes']}/{rb['episodes']}", _verdict(ra, rb, kind, pairs, confidence)])
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
     return markdown_table(["claim", "environment", "A", "B", "verdict"], rows)
 
 
-def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str) -> str:
+def _pairs(a: dict[tuple[int, str], bool] | None, b: dict[tuple[int, str], bool] | None) -> tuple[int, int, int] | None:
+    """(games both played, games only A won, games only B won), or None when they share no game."""
+    common = sorted(set(a or {}) & set(b or {}))
+    if not common:
+        return None
+    return len(common), sum(a[g] and not b[g] for g in common), sum(b[g] and not a[g] for g in common)
+
+
+def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, int, int] | None = None,
+             confidence: float = 0.95) -> str:
     if kind == "better with generated tasks" and not a.get("generated_tasks_mean"):
         return "not tested: the curriculum accepted no generated task, so A played B's tasks"
     if a["successes"] == 0 and b["successes"] == 0:
         return "not testable: neither won a game"
+    if pairs is not None:
+        shared, a_only, b_only = pairs
+        p = sign_test(a_only, b_only)
+        leaning = "A higher" if a_only > b_only else ("A lower" if a_only < b_only else "equal")
+        evidence = f"of {shared} games both played, A alone won {a_only}, B alone {b_only}; sign test p = {p:.2g}"
+        if p < 1 - confidence:
+            return f"{'supported' if a_only > b_only else 'contradicted'}: {leaning}, {evidence}"
+        return f"{'not contradicted' if kind == 'not worse' else 'not resolved'}: {leaning}, {evidence}"
     if a["success_ci_low"] > b["success_ci_high"]:
         return "supported: A higher, intervals apart"
     if b["success_ci_low"] > a["success_ci_high"]:
@@ -334,10 +404,17 @@ def report(results_dir: str | Path, confidence: float = 0.95,
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
             f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs).\n\n{table}"
             + (f"\n![held-out success]({bars.name})\n" if bars else "")
-            + f"\n## The paper's claims at this scale\n\n{claim_verdicts(metrics, algorithm_names)}"
+            + f"\n## The paper's claims at this scale\n\n{CLAIMS_NOTE.format(alpha=1 - confidence)}\n\n"
+            + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
             + f"\n## Runs\n\n{runs_table(runs)}"
             + (f"\n![learning curves]({curves.name})\n" if curves else ""))
     return metrics, text
+
+
+CLAIMS_NOTE = ("Both methods of a claim play the same held-out games, greedily. Where their runs kept each game's "
+               "outcome, the verdict pairs them game by game: an exact sign test (McNemar's) on the games only one "
+               "of them won, at p < {alpha:.0%}; otherwise their Wilson intervals must be apart. \"Not resolved\" "
+               "is no evidence that the two are equal.")
 
 
 def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:

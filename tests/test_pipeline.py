@@ -1,4 +1,5 @@
 """The pipeline as it exists, through DVC and through a real (temporary) Prefect server."""
+import csv
 import json
 import re
 import shutil
@@ -220,6 +221,11 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
             "transitions") in report and "Sim-to-real" not in report
     episodes = read_trajectories(onboarded / "reports" / "evaluate_policies_episodes.jsonl")  # kept for replay
     assert len(episodes) == 2 and all(e.steps and e.task.environment == "demo-kitchen" for e in episodes)
+    with (onboarded / "reports" / "evaluate_policies_games.csv").open() as handle:  # one row per policy and game
+        games = list(csv.DictReader(handle))
+    assert sorted((g["policy"], g["task_id"]) for g in games) == sorted(
+        (label, e.task.task_id) for label, e in zip(("sft_warm_start", "synthetic_grpo"), episodes, strict=True))
+    assert {g["environment"] for g in games} == {"demo-kitchen (simulated)"} and {g["won"] for g in games} <= {"0", "1"}
     assert "Running stage" not in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do
 
     set_params(onboarded, {"synthetic_rl.learning_rate": 2e-5})  # one param: only the stages downstream of it rerun
@@ -293,6 +299,8 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     assert record["seconds"] > 0 and len(record["commit"]) == 40
     ablation = json.loads((results / "no-curriculum-seed0" / "evaluate_policies.json").read_text())
     assert "synthetic_grpo" in ablation and "sft_warm_start" not in ablation  # only its row is played
+    games = (results / "no-curriculum-seed0" / "evaluate_policies_games.csv").read_text().splitlines()
+    assert len(games) == 2 and games[1].startswith("synthetic_grpo,")  # its one held-out game, kept for pairing
     simulated = "demo-kitchen (simulated)"  # a seed-only domain: policies are scored inside the experience model
     # no DreamGym-S2R row: sim-to-real skips a domain with no real environment
     assert set(metrics) == {"SFT only", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum"}

@@ -13,9 +13,11 @@ from components.study import (
     finished_runs,
     is_finished,
     keep_run,
+    paired_games,
     report,
     run_overrides,
     select_variants,
+    sign_test,
     success_plot,
     variants,
 )
@@ -119,6 +121,45 @@ def test_a_claim_counts_only_when_the_intervals_are_apart():
     assert "not tested: the curriculum accepted no generated task" in rows["The curriculum helps"]
 
 
+def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):
+    """A kept GAMES_FILE's rows for one policy: it won the games numbered in `won`, of games g0..g<played-1>."""
+    path = run_dir / "evaluate_policies_games.csv"
+    lines = [] if path.is_file() else ["policy,environment,task_id,won,steps"]
+    lines += [f"{policy},{environment},g{i},{int(i in won)},5" for i in range(played)]
+    with path.open("a") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def test_sign_test_is_exact_and_two_sided():
+    assert sign_test(6, 0) == sign_test(0, 6) == 2 / 64
+    assert sign_test(5, 1) == 2 * 7 / 64 and sign_test(2, 2) == sign_test(0, 0) == 1.0
+
+
+def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
+    """8/12 against 2/12 overlaps as intervals, but when the second's two wins are among the first's eight, the six
+    games only the first won are a difference (p = 2/64); a run that kept no games falls back to the intervals."""
+    tw = "textworld-cooking"
+    _run(tmp_path, "dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(2, 12)},
+                                           "synthetic_grpo": {tw: _evaluation(8, 12)},
+                                           "sim-to-real": {tw: _evaluation(3, 12)}}, synthetic=40)
+    _games(tmp_path / "dreamgym-grpo-seed0", "sft_warm_start", {0, 1})
+    _games(tmp_path / "dreamgym-grpo-seed0", "synthetic_grpo", set(range(8)))
+    _games(tmp_path / "dreamgym-grpo-seed0", "sim-to-real", {0, 1, 9})
+    _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(9, 12)}}, start_from="sft")  # no games kept
+    runs = finished_runs(tmp_path)
+    metrics, _ = aggregate(runs)
+    rows = {line.split(" | ")[0].strip("| "): line
+            for line in claim_verdicts(metrics, ("grpo",), paired_games(runs)).splitlines()}
+
+    assert "supported: A higher, of 12 games both played, A alone won 6, B alone 0; sign test p = 0.031" in rows[
+        "Synthetic-only RL improves on the warm start"]
+    assert "not resolved: A lower, intervals overlap" in rows[  # 3/12 against 9/12, without pairs
+        "Sim-to-real with a tenth of the real budget beats real-only RL with all of it"]
+    unpaired = claim_verdicts(metrics, ("grpo",))
+    assert "Synthetic-only RL improves on the warm start | textworld-cooking | DreamGym (GRPO): 8/12 | SFT only: " \
+           "2/12 | not resolved: A higher, intervals overlap" in unpaired
+
+
 def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     tw = "textworld-cooking"
     metrics_dir = tmp_path / "metrics"
@@ -142,10 +183,15 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     record = {"run": "dreamgym-grpo-seed0", "profile": "quick", "commit": "e54f2c8abc", "seconds": 600.0,
               "params_set": {"seed": 0}}
 
-    run_dir = keep_run(results / "dreamgym-grpo-seed0", record, metrics_dir)
+    reports_dir = tmp_path / "reports"
+    reports_dir.mkdir()
+    _games(reports_dir, "sim-to-real", {0, 1, 2}, played=4)
+
+    run_dir = keep_run(results / "dreamgym-grpo-seed0", record, metrics_dir, reports_dir)
 
     assert sorted(p.name for p in results.iterdir()) == ["dreamgym-grpo-seed0"]
     assert not (run_dir / "stale.json").exists()
+    assert finished_runs(results)[0].games == {("sim-to-real", tw): {"g0": True, "g1": True, "g2": True, "g3": False}}
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
