@@ -6,6 +6,7 @@ engines (TextWorld child processes, Chromium) do the work outside the interprete
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
@@ -68,9 +69,10 @@ class EvaluationResult:
 
     def games(self, policy: str, environment: str | None = None) -> list[dict[str, Any]]:
         """One row per game played, for pairing policies game by game (every policy plays the same held-out
-        tasks, greedily, so two policies differ exactly on the games one won and the other lost)."""
+        tasks, greedily): its outcome and its actions (JSON list), which show where two policies' play differs."""
         return [{"policy": policy, "environment": environment or self.environment, "task_id": t.task.task_id,
-                 "won": int(t.success), "steps": len(t.steps)} for t in self.trajectories]
+                 "won": int(t.success), "steps": len(t.steps), "actions": json.dumps([s.action for s in t.steps])}
+                for t in self.trajectories]
 
 
 def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task],

@@ -36,29 +36,33 @@ class Variant:
     @property
     def policies(self) -> list[str]:
         """The policies its run evaluates (evaluate.policies, by training stage): its rows' only, as each held-out
-        evaluation costs minutes on a CPU (the warm start is played once per seed, in the DreamGym runs)."""
+        evaluation costs minutes on a CPU (the warm start is played once per seed, in the first algorithm's DreamGym
+        run)."""
         stages = {"sft_warm_start": "train_policy_sft", "sim-to-real": "sim_to_real"}
         return sorted({stages.get(label, "synthetic_rl") for label in self.rows})
 
 
 def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant]:
-    """The runs that fill the table, per algorithm, then the three ablations (on GRPO, as in the paper)."""
+    """The runs that fill the table, per algorithm, then the three ablations (on GRPO, as in the paper). The warm
+    start (SFT only) is the same policy for every algorithm: the first algorithm's DreamGym run evaluates it."""
     found = []
-    for algorithm in algorithm_names:
+    for number, algorithm in enumerate(algorithm_names):
         upper = algorithm.upper()
+        warm_start = {"sft_warm_start": "SFT only"} if number == 0 else {}
         found += [
             Variant(f"dreamgym-{algorithm}", {"synthetic_rl.algorithm": algorithm},
-                    {"sft_warm_start": "SFT only", f"synthetic_{algorithm}": f"DreamGym ({upper})",
+                    {**warm_start, f"synthetic_{algorithm}": f"DreamGym ({upper})",
                      "sim-to-real": f"DreamGym-S2R ({upper})"}, "s2r"),
             Variant(f"real-{algorithm}", {"synthetic_rl.algorithm": algorithm, "sim_to_real.start_from": "sft"},
                     {"sim-to-real": f"{upper} in the real environment"}, "full"),
         ]
+    grpo = {"synthetic_rl.algorithm": "grpo"}  # whatever params.yaml says: the rows are GRPO's
     found += [
-        Variant("no-curriculum", {"synthetic_rl.curriculum.enabled": False},
+        Variant("no-curriculum", {**grpo, "synthetic_rl.curriculum.enabled": False},
                 {"synthetic_grpo": "DreamGym (GRPO) w/o curriculum"}, "s2r"),
-        Variant("no-retrieval", {"experience_model.prompt.use_retrieval": False},
+        Variant("no-retrieval", {**grpo, "experience_model.prompt.use_retrieval": False},
                 {"synthetic_grpo": "DreamGym (GRPO) w/o retrieval"}, "s2r"),
-        Variant("no-reasoning", {"experience_model.prompt.use_reasoning": False},
+        Variant("no-reasoning", {**grpo, "experience_model.prompt.use_reasoning": False},
                 {"synthetic_grpo": "DreamGym (GRPO) w/o reasoning"}, "s2r"),
     ]
     return found
@@ -102,17 +106,27 @@ def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Pat
     return Path(run_dir)
 
 
-def is_finished(run_dir: str | Path, profile: str) -> bool:
-    """Whether `run_dir` holds a finished run, which a study keeps and skips. One finished at another named profile
-    is an error: its numbers would be pooled with this profile's (profiles set their own study.results_dir)."""
+def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | None = None) -> bool:
+    """Whether `run_dir` holds a finished run, which a study keeps and skips. One finished at another named profile,
+    or with another value of a param this run would set (`run_overrides`: a changed budget), is an error: its
+    numbers would be pooled with this study's (profiles set their own study.results_dir)."""
     run_dir = Path(run_dir)
     if not (run_dir / "evaluate_policies.json").is_file():
         return False
-    kept = _read(run_dir / RUN_RECORD).get("profile", "custom")
+    record = _read(run_dir / RUN_RECORD)
+    kept = record.get("profile", "custom")
     if "custom" not in (kept, profile) and kept != profile:
         raise ParamsError(f"{run_dir}: finished at profile {kept!r}, but params.yaml is at profile {profile!r}. Set "
                           f"study.results_dir to this profile's folder (`dreamgym params use {profile}` does), or "
                           f"delete {run_dir} to run it again")
+    kept_params, wanted = record.get("params_set", {}), json.loads(json.dumps(overrides or {}))  # as run.json has it
+    # evaluate.policies only says which policies are played: a run that played more is still this run
+    changed = sorted(key for key in kept_params.keys() & wanted.keys() - {"evaluate.policies"}
+                     if kept_params[key] != wanted[key])
+    if changed:
+        raise ParamsError(f"{run_dir}: finished with " + ", ".join(f"{k}={kept_params[k]!r}" for k in changed)
+                          + ", but this study sets " + ", ".join(f"{k}={wanted[k]!r}" for k in changed)
+                          + f" (params.yaml `study`). Restore them, or delete {run_dir} to run it again")
     return True
 
 
@@ -149,9 +163,10 @@ class Run:
                     for row in csv.DictReader(handle)]
 
 
-def finished_runs(results_dir: str | Path) -> list[Run]:
-    """The runs in `results_dir` that finished (a crashed copy's temporary or an unknown folder is not one)."""
-    known = {v.name: v for v in variants()}
+def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Run]:
+    """The runs in `results_dir` that finished (a crashed copy's temporary or an unknown folder is not one), as
+    variants of a study of `algorithm_names` (the first one's DreamGym run stands for the warm start)."""
+    known = {v.name: v for v in variants(algorithm_names)}
     runs = []
     for path in sorted(Path(results_dir).glob("*-seed*")):
         name, _, seed = path.name.rpartition("-seed")
@@ -232,13 +247,13 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
 
 def paired_games(runs: list[Run]) -> dict[tuple[str, str], dict[tuple[int, str], bool]]:
     """(method, environment) -> (seed, task id) -> won, for the methods whose every counted run kept its games
-    (GAMES_FILE): the same episodes `aggregate` pools, game by game."""
+    (GAMES_FILE) and whose games add up to its metrics: the same episodes `aggregate` pools, game by game."""
     games: dict[tuple[str, str], dict[tuple[int, str], bool]] = {}
     incomplete = set()
-    for run, label, method, environment, _ in _method_results(runs):
+    for run, label, method, environment, result in _method_results(runs):
         outcomes = run.games.get((label, environment))
-        if outcomes is None:
-            incomplete.add((method, environment))
+        if outcomes is None or (len(outcomes), sum(outcomes.values())) != (result["episodes"], result["successes"]):
+            incomplete.add((method, environment))  # not kept, or not the games the metrics count
         else:
             games.setdefault((method, environment), {}).update(
                 {(run.seed, task_id): won for task_id, won in outcomes.items()})
@@ -315,19 +330,21 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
     if pairs is not None:
         shared, a_only, b_only = pairs
         p = sign_test(a_only, b_only)
-        leaning = "A higher" if a_only > b_only else ("A lower" if a_only < b_only else "equal")
+        leaning = "A higher" if a_only > b_only else ("A lower" if a_only < b_only else "tied")
         evidence = f"of {shared} games both played, A alone won {a_only}, B alone {b_only}; sign test p = {p:.2g}"
         if p < 1 - confidence:
             return f"{'supported' if a_only > b_only else 'contradicted'}: {leaning}, {evidence}"
         return f"{'not contradicted' if kind == 'not worse' else 'not resolved'}: {leaning}, {evidence}"
     if a["success_ci_low"] > b["success_ci_high"]:
-        return "supported: A higher, intervals apart"
+        return "supported: A higher, intervals apart (no games kept to pair)"
     if b["success_ci_low"] > a["success_ci_high"]:
-        return "contradicted: A lower, intervals apart"
+        return "contradicted: A lower, intervals apart (no games kept to pair)"
     leaning = "A higher" if a["success_rate"] > b["success_rate"] else (
-        "A lower" if a["success_rate"] < b["success_rate"] else "equal")
-    return (f"not contradicted: {leaning}, intervals overlap" if kind == "not worse"
-            else f"not resolved: {leaning}, intervals overlap")
+        "A lower" if a["success_rate"] < b["success_rate"] else "tied")
+    seeds = ("" if a.get("seeds") == b.get("seeds")
+             else f" (unpaired seeds: A {a.get('seeds')}, B {b.get('seeds')})")
+    return (f"not contradicted: {leaning}, intervals overlap{seeds}" if kind == "not worse"
+            else f"not resolved: {leaning}, intervals overlap{seeds}")
 
 
 def runs_table(runs: list[Run]) -> str:
@@ -396,13 +413,15 @@ def report(results_dir: str | Path, confidence: float = 0.95,
            algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> tuple[dict[str, Any], str]:
     """The study's metrics and markdown report, with its plots written into `results_dir`."""
     results_dir = Path(results_dir)
-    runs = finished_runs(results_dir)
+    runs = finished_runs(results_dir, algorithm_names)
     metrics, table = aggregate(runs, confidence)
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
-            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs).\n\n{table}"
+            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs). An environment "
+            f"marked (simulated) is a seed-only domain: its held-out games are played inside the experience model."
+            f"\n\n{table}"
             + (f"\n![held-out success]({bars.name})\n" if bars else "")
             + f"\n## The paper's claims at this scale\n\n{CLAIMS_NOTE.format(alpha=1 - confidence)}\n\n"
             + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
@@ -413,8 +432,10 @@ def report(results_dir: str | Path, confidence: float = 0.95,
 
 CLAIMS_NOTE = ("Both methods of a claim play the same held-out games, greedily. Where their runs kept each game's "
                "outcome, the verdict pairs them game by game: an exact sign test (McNemar's) on the games only one "
-               "of them won, at p < {alpha:.0%}; otherwise their Wilson intervals must be apart. \"Not resolved\" "
-               "is no evidence that the two are equal.")
+               "of them won, at p < {alpha:.3g} per claim (not corrected for the number of claims); otherwise their "
+               "Wilson intervals must be apart. \"Not resolved\" and, for a claim of matching, \"not "
+               "contradicted\" mean no significant difference at this number of games, not that the two are "
+               "equal.")
 
 
 def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:

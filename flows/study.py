@@ -66,10 +66,10 @@ def results_study_flow() -> dict:
     for seed in settings.seeds:
         for variant in study.select_variants(tuple(settings.algorithms), settings.variants):
             name, run_dir = f"{variant.name}-seed{seed}", results_dir / f"{variant.name}-seed{seed}"
-            if study.is_finished(run_dir, profile):
+            overrides = study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share)
+            if study.is_finished(run_dir, profile, overrides):
                 continue
-            state = run_variant(name, study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share),
-                                run_dir, return_state=True)
+            state = run_variant(name, overrides, run_dir, return_state=True)
             if not state.is_completed():
                 failed.append(name)
     metrics = report(results_dir, confidence, tuple(settings.algorithms))

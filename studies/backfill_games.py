@@ -25,6 +25,7 @@ for line in sys.stdin:
     assert task_id == episode["task"]["task_id"], episode["trajectory_id"]
     won = episode["success"]
     rows.append({"policy": KEYS[name], "environment": episode["task"]["environment"], "task_id": task_id,
-                 "won": int(won), "steps": len(episode["steps"])})
+                 "won": int(won), "steps": len(episode["steps"]),
+                 "actions": json.dumps([step["action"] for step in episode["steps"]])})
 write_csv(rows, Path(sys.argv[1]) / "evaluate_policies_games.csv")
 print(sys.argv[1], len(rows), "games", sum(r["won"] for r in rows), "won")

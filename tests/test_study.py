@@ -47,7 +47,13 @@ def test_budgets_follow_the_variant():
         "sim_to_real.real_transitions": 160, "evaluate.policies": ["sim_to_real"]}
     assert run_overrides(by_name["dreamgym-grpo"], 0, 160, 0.1)["evaluate.policies"] == [
         "sim_to_real", "synthetic_rl", "train_policy_sft"]
+    # the warm start is one policy: the first algorithm's DreamGym run plays it, not PPO's again
+    assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["evaluate.policies"] == ["sim_to_real", "synthetic_rl"]
+    assert [v.policies for v in variants(("ppo",))][0] == ["sim_to_real", "synthetic_rl", "train_policy_sft"]
     assert by_name["no-retrieval"].policies == ["synthetic_rl"]  # an ablation's one row: its synthetic RL policy
+    # the ablations' rows are GRPO's, whatever algorithm params.yaml names
+    assert all(by_name[n].overrides["synthetic_rl.algorithm"] == "grpo" for n in ("no-curriculum", "no-retrieval",
+                                                                                  "no-reasoning"))
     assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["sim_to_real.real_transitions"] == 16
     assert run_overrides(by_name["no-curriculum"], 0, 160, 0.1)["synthetic_rl.curriculum.enabled"] is False
     assert [v.name for v in variants(("grpo",))] == ["dreamgym-grpo", "real-grpo", "no-curriculum", "no-retrieval",
@@ -63,8 +69,8 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
              s2r_used=16, synthetic=40 + seed)
     _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(4, 6)}}, s2r_used=150, synthetic=40,
          start_from="sft")
-    # the PPO run of seed 0 evaluates the same warm start again: its episodes are not counted twice
-    _run(tmp_path, "dreamgym-ppo-seed0", {"sft_warm_start": {tw: _evaluation(1, 6)},
+    # a PPO run that played the warm start too (as before it stopped doing so): GRPO's copy is the one counted
+    _run(tmp_path, "dreamgym-ppo-seed0", {"sft_warm_start": {tw: _evaluation(5, 6)},
                                           "synthetic_ppo": {tw: _evaluation(0, 6)}}, synthetic=40)
     (tmp_path / ".no-retrieval-seed0.k2x9a1").mkdir()  # a crashed copy's temporary (keep_run) is not a run
 
@@ -101,20 +107,23 @@ def _rates(successes, episodes):
             "success_ci_low": low, "success_ci_high": high}
 
 
-def test_a_claim_counts_only_when_the_intervals_are_apart():
+def test_without_kept_games_a_claim_counts_only_when_the_intervals_are_apart():
     tw = "textworld-cooking"
     metrics = {"SFT only": {tw: _rates(2, 40)}, "DreamGym (GRPO)": {tw: {**_rates(30, 40), "generated_tasks_mean": 3}},
                "GRPO in the real environment": {tw: _rates(26, 40)}, "DreamGym-S2R (GRPO)": {tw: _rates(0, 40)},
                "DreamGym (GRPO) w/o curriculum": {tw: _rates(0, 40)}}
     rows = {line.split(" | ")[0].strip("| "): line for line in claim_verdicts(metrics, ("grpo",)).splitlines()}
     assert "supported: A higher, intervals apart" in rows["Synthetic-only RL improves on the warm start"]
-    assert "not contradicted: A higher, intervals overlap" in rows[
+    assert "not contradicted: A higher, intervals overlap |" in rows[  # same seeds: nothing to add
         "Synthetic-only RL matches RL in the real environment"]
     assert "contradicted: A lower, intervals apart" in rows[
         "Sim-to-real with a tenth of the real budget beats real-only RL with all of it"]
     assert "supported" in rows["The curriculum helps"] and "Retrieval of similar transitions helps" not in rows
     both_lost = {"SFT only": {tw: _rates(0, 3)}, "DreamGym (GRPO)": {tw: _rates(0, 3)}}
     assert "not testable: neither won a game" in claim_verdicts(both_lost, ("grpo",))
+    seed_apart = {"SFT only": {tw: {**_rates(1, 3), "seeds": [0]}}, "DreamGym (GRPO)": {tw: {**_rates(2, 3),
+                                                                                           "seeds": [1]}}}
+    assert "A higher, intervals overlap (unpaired seeds: A [1], B [0])" in claim_verdicts(seed_apart, ("grpo",))
     # a curriculum that wrote no task leaves DreamGym on the ablation's schedule: a difference there is noise
     metrics["DreamGym (GRPO)"][tw]["generated_tasks_mean"] = 0
     rows = {line.split(" | ")[0].strip("| "): line for line in claim_verdicts(metrics, ("grpo",)).splitlines()}
@@ -153,11 +162,36 @@ def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
 
     assert "supported: A higher, of 12 games both played, A alone won 6, B alone 0; sign test p = 0.031" in rows[
         "Synthetic-only RL improves on the warm start"]
+    # 5 to 0 is p = 0.0625: not yet; the same against A is a contradiction once it reaches 6 to 0
+    def rows_for(a_won, b_won):
+        rates = {"SFT only": {tw: _rates(len(b_won), 12)}, "DreamGym (GRPO)": {tw: _rates(len(a_won), 12)}}
+        games = {("DreamGym (GRPO)", tw): {(0, f"g{i}"): i in a_won for i in range(12)},
+                 ("SFT only", tw): {(0, f"g{i}"): i in b_won for i in range(12)}}
+        return {line.split(" | ")[0].strip("| "): line for line in claim_verdicts(rates, ("grpo",), games).splitlines()}
+    assert "not resolved: A higher, of 12 games both played, A alone won 5, B alone 0; sign test p = 0.062" in \
+        rows_for(set(range(5)), set())["Synthetic-only RL improves on the warm start"]
+    assert "contradicted: A lower, of 12 games both played, A alone won 0, B alone 6" in \
+        rows_for({0}, set(range(7)))["Synthetic-only RL improves on the warm start"]
     assert "not resolved: A lower, intervals overlap" in rows[  # 3/12 against 9/12, without pairs
         "Sim-to-real with a tenth of the real budget beats real-only RL with all of it"]
     unpaired = claim_verdicts(metrics, ("grpo",))
     assert "Synthetic-only RL improves on the warm start | textworld-cooking | DreamGym (GRPO): 8/12 | SFT only: " \
            "2/12 | not resolved: A higher, intervals overlap" in unpaired
+
+    # a second seed plays games with the same ids: pairs are (seed, game), so 12 more pairs, not overwritten ones
+    _run(tmp_path, "dreamgym-grpo-seed1", {"sft_warm_start": {tw: _evaluation(0, 12)},
+                                           "synthetic_grpo": {tw: _evaluation(1, 12)},
+                                           "sim-to-real": {tw: _evaluation(0, 12)}}, synthetic=40)
+    _games(tmp_path / "dreamgym-grpo-seed1", "sft_warm_start", set())
+    _games(tmp_path / "dreamgym-grpo-seed1", "synthetic_grpo", {11})
+    _games(tmp_path / "dreamgym-grpo-seed1", "sim-to-real", {5})  # 1 win, but the metrics count 0: not paired
+    runs = finished_runs(tmp_path)
+    games = paired_games(runs)
+    assert len(games[("DreamGym (GRPO)", tw)]) == 24 and games[("DreamGym (GRPO)", tw)][(1, "g11")] is True
+    assert ("DreamGym-S2R (GRPO)", tw) not in games  # its games do not add up to its metrics: unpaired
+    metrics, _ = aggregate(runs)
+    assert "of 24 games both played, A alone won 7, B alone 0; sign test p = 0.016" in claim_verdicts(
+        metrics, ("grpo",), games)
 
 
 def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
@@ -212,3 +246,12 @@ def test_a_finished_run_is_skipped_at_its_own_profile_and_refused_at_another(tmp
     assert is_finished(run_dir, "quick") and is_finished(run_dir, "custom")
     with pytest.raises(ParamsError, match=r"seed0: finished at profile 'quick'.*'cpu'.*study.results_dir"):
         is_finished(run_dir, "cpu")
+
+    # at the same profile, a changed budget is another run; playing other policies is not
+    (run_dir / "run.json").write_text(json.dumps({"profile": "quick", "params_set": {
+        "seed": 0, "sim_to_real.real_transitions": 16, "evaluate.policies": ["synthetic_rl", "train_policy_sft"]}}))
+    assert is_finished(run_dir, "quick", {"seed": 0, "sim_to_real.real_transitions": 16,
+                                          "evaluate.policies": ["synthetic_rl"], "synthetic_rl.algorithm": "grpo"})
+    with pytest.raises(ParamsError, match=r"finished with sim_to_real.real_transitions=16, but this study sets "
+                                          r"sim_to_real.real_transitions=33 .*delete .*seed0 to run it again"):
+        is_finished(run_dir, "quick", {"seed": 0, "sim_to_real.real_transitions": 33})
