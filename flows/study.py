@@ -21,17 +21,36 @@ from components.reports import metrics_path, report_path, write_csv, write_stage
 from components.stages import StageError
 from flows.pipeline import PARAMS, run_logged
 
+# The user's params.yaml while a run's overrides are in it: a study killed mid-run (a session's end, a crash) would
+# otherwise leave them there, and every later run would inherit them (an ablation would train the killed run's
+# algorithm). The next study puts the file back first.
+PARAMS_BACKUP = Path(".dvc/tmp/study-params.yaml")
+
+
+def restore_params() -> bool:
+    """Put back the params.yaml a killed study left with a run's overrides; whether there was one to put back."""
+    if not PARAMS_BACKUP.is_file():
+        return False
+    Path(PARAMS).write_text(PARAMS_BACKUP.read_text(encoding="utf-8"), encoding="utf-8")
+    PARAMS_BACKUP.unlink()
+    return True
+
 
 @task(task_run_name="{name}")
 def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
     """One pipeline run with `overrides` up to evaluate_policies; its metrics and record are kept in `run_dir`."""
     original, profile = Path(PARAMS).read_text(encoding="utf-8"), active_profile(PARAMS)  # before the overrides
+    PARAMS_BACKUP.parent.mkdir(parents=True, exist_ok=True)
+    partial = PARAMS_BACKUP.with_suffix(".partial")
+    partial.write_text(original, encoding="utf-8")
+    partial.replace(PARAMS_BACKUP)  # whole or not at all: a half-written backup would be restored over the user's file
     started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
         run_logged(["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}"
                                             for key, value in overrides.items()], "evaluate_policies"])
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
+        PARAMS_BACKUP.unlink(missing_ok=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     study.keep_run(run_dir, {"run": name, "params_set": overrides, "profile": profile, "commit": commit,
                              "seconds": round(time.monotonic() - started, 1)})
@@ -59,6 +78,9 @@ def results_study_flow() -> dict:
     A run that fails does not stop the others (a study is hours of runs): the table is made from those that
     finished, and the flow fails at the end naming the failed runs, which a rerun tries again.
     """
+    if restore_params():
+        get_run_logger().warning("params.yaml held the overrides of a study run that was killed; restored the file "
+                                 "it had before that run (from %s)", PARAMS_BACKUP)
     params, profile = load_params(PARAMS), active_profile(PARAMS)
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)

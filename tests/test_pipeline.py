@@ -327,10 +327,15 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
 
     set_params(project, {"study.algorithms": ["grpo"], "study.variants": ["dreamgym-grpo", "no-curriculum"]})
     params_before = (project / "params.yaml").read_text()
+    # an earlier study was killed mid-run: params.yaml still holds that run's overrides, its backup the user's file
+    (project / ".dvc" / "tmp").mkdir(parents=True, exist_ok=True)
+    (project / ".dvc" / "tmp" / "study-params.yaml").write_text(params_before)
+    set_params(project, {"synthetic_rl.algorithm": "ppo", "sim_to_real.real_transitions": 33})
     monkeypatch.chdir(project)
 
     with pytest.raises(StageError, match="2 run\\(s\\) failed: dreamgym-grpo-seed0, no-curriculum-seed0"):
         results_study_flow()
 
     assert "from 0 finished runs" in (project / "reports" / "studies" / "results" / "README.md").read_text()
-    assert (project / "params.yaml").read_text() == params_before
+    assert (project / "params.yaml").read_text() == params_before  # the killed run's overrides are gone
+    assert not (project / ".dvc" / "tmp" / "study-params.yaml").exists()
