@@ -31,6 +31,7 @@ from components.rl import (
     RLResult,
     RLSettings,
     iteration_record,
+    logged_seconds,
     play_iteration,
     prune_checkpoints,
     save_sidecars,
@@ -107,13 +108,15 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
                          f"of micro_batch_size ({settings.micro_batch_size})")
     out_dir = Path(out_dir)
     checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
+    earlier_seconds = logged_seconds(rows)  # iterations restored from the checkpoint
     if resume is not None and len(rows) >= settings.iterations:
         # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
         # after one, and for sim-to-real that step spends real transitions beyond the budget.
         trained, tokenizer = load_trained_model(resume)
         if settings.lora is not None:
             trained = trained.merge_and_unload()
-        return RLResult(save_trained_policy(trained, tokenizer, out_dir, rows), len(rows), str(resume), rows, 0.0)
+        return RLResult(save_trained_policy(trained, tokenizer, out_dir, rows), len(rows), str(resume), rows,
+                        earlier_seconds)
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
     # TRL needs a dataset to sample from; its rows only name base tasks, and rollout_func plays the curriculum's.
@@ -175,4 +178,4 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
     trained = trainer.model.merge_and_unload() if peft_config is not None else trainer.model
     model_dir = save_trained_policy(trained, tokenizer, out_dir, rows)
     return RLResult(model_dir, trainer.state.global_step, str(resume) if resume else None, rows,
-                    time.monotonic() - started)
+                    earlier_seconds + time.monotonic() - started)

@@ -40,6 +40,7 @@ from components.rl import (
     RLSettings,
     checkpoint_number,
     iteration_record,
+    logged_seconds,
     play_iteration,
     prune_checkpoints,
     save_sidecars,
@@ -392,6 +393,7 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
     """
     out_dir = Path(out_dir)
     checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
+    earlier_seconds = logged_seconds(rows)  # iterations restored from the checkpoint
 
     seed_everything(settings.seed)  # before the LoRA and value-head initialisations, so a fresh run repeats
     model, tokenizer, reference = load_policy(policy_model, settings, cache_dir, resume)
@@ -426,4 +428,4 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
     trained = model.merge_and_unload() if settings.lora is not None else model
     model_dir = save_trained_policy(trained, tokenizer, out_dir, rows)
     return RLResult(model_dir, settings.iterations, str(resume) if resume else None, rows,
-                    time.monotonic() - started)
+                    earlier_seconds + time.monotonic() - started)

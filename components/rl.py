@@ -71,7 +71,16 @@ class RLResult:
     iterations: int
     resumed_from: str | None
     log: list[dict[str, Any]]
-    seconds: float
+    seconds: float  # over every invocation: this one's, plus the logged time of the iterations it resumed after
+
+
+TIME_SPLIT = ("policy_generation_s", "environment_s", "buffer_s", "curriculum_s", "optimisation_s")
+
+
+def logged_seconds(rows: list[dict[str, Any]]) -> float:
+    """The time the iterations of an iteration log took (the sum of each row's time split): what a resumed run
+    counts for the iterations an earlier, killed invocation trained."""
+    return sum(float(row.get(field) or 0.0) for row in rows for field in TIME_SPLIT)
 
 
 def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStats, buffer: ReplayBuffer | None,

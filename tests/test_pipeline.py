@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from components.contract import read_trajectories
+from components.rl import TIME_SPLIT
 from components.stages import STAGES
 from tests.conftest import SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
 
@@ -265,6 +266,10 @@ def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_mod
     rl = json.loads((onboarded / "metrics" / "synthetic_rl.json").read_text())
     rows = (onboarded / "metrics" / "synthetic_rl_iterations.csv").read_text().splitlines()[1:]
     assert rl["resumed"] and rl["iterations"] == 4
+    # its time counts the killed invocation's iterations too (their logged time split), not only the resumed ones
+    with (onboarded / "metrics" / "synthetic_rl_iterations.csv").open() as handle:
+        split = sum(float(row[field] or 0) for row in csv.DictReader(handle) for field in TIME_SPLIT)
+    assert rl["seconds"] >= round(split, 1) - 0.1
     assert [int(row.split(",")[0]) for row in rows] == [1, 2, 3, 4]  # none lost, none repeated
     # the tiny experience model never ends an episode, so every episode lasts max_turns (2): 4 iterations x 2 x 2
     assert rl["synthetic_transitions"] == 16 and rl["buffer_size"] == seeded + 16
