@@ -308,6 +308,13 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
                 pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
                 rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}",
                              f"{b}: {rb['successes']}/{rb['episodes']}", _verdict(ra, rb, kind, pairs, confidence)])
+            if kind == "better with generated tasks":  # the answer is known without the ablation's run
+                for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
+                    ra = metrics[a][environment]
+                    if not ra.get("generated_tasks_mean"):
+                        rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}", f"{b}: not run",
+                                     "not tested: the curriculum accepted no generated task, so B would play A's "
+                                     "tasks"])
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
     return markdown_table(["claim", "environment", "A", "B", "verdict"], rows)
