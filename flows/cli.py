@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from components.config import ParamsError, load_params
 from components.stages import STAGES, StageError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2  # onboarding: 1 also means "some records were quarantined"
+# Prefect gives its temporary server 20 s to start, which a machine busy training can miss ("Timed out while
+# attempting to connect to ephemeral Prefect API server"); the Makefile sets the same for `make run`.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def main(argv: list[str] | None = None) -> int:
