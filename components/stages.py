@@ -613,6 +613,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     metrics: dict[str, Any] = {"skipped": skipped}
     rows, episodes, games = [], [], []
     for label, model_dir in candidates.items():
+        key = label.replace(" ", "_")  # the policy's name in the metrics and the games file
         model, tokenizer = sft.load_trained_model(model_dir)
         entry: dict[str, Any] = {}
         if heldout:
@@ -625,7 +626,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                      name=label.replace(" ", "-"), max_steps=params.policy.max_turns)
             entry[name] = result.metrics()
             episodes += result.trajectories
-            games += result.games(label.replace(" ", "_"))
+            games += result.games(key)
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([name, label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
@@ -639,12 +640,12 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                             confidence=params.evaluate.confidence, name=label)
             entry[f"{env.name} (simulated)"] = result.metrics()
             episodes += result.trajectories
-            games += result.games(label.replace(" ", "_"), f"{env.name} (simulated)")
+            games += result.games(key, f"{env.name} (simulated)")
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([f"{env.name} (in the experience model)", label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
-        metrics[label.replace(" ", "_")] = entry
+        metrics[key] = entry
     replayed = ""
     if rl_label in candidates:
         metrics["synthetic_replay"], replays, replayed = _replay_synthetic_episodes(params, root, environments)

@@ -322,7 +322,7 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
 
 def _pairs(a: dict[tuple[int, str], bool] | None, b: dict[tuple[int, str], bool] | None) -> tuple[int, int, int] | None:
     """(games both played, games only A won, games only B won), or None when they share no game."""
-    common = sorted(set(a or {}) & set(b or {}))
+    common = (a or {}).keys() & (b or {}).keys()
     if not common:
         return None
     return len(common), sum(a[g] and not b[g] for g in common), sum(b[g] and not a[g] for g in common)
