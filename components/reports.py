@@ -5,6 +5,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+# evaluate_policies' outcome of each policy on each held-out game; the results study keeps it per run to pair methods
+GAMES_FILE = "reports/evaluate_policies_games.csv"
+
 
 def metrics_path(stage: str, root: str | Path = ".") -> Path:
     return Path(root) / "metrics" / f"{stage}.json"

@@ -27,13 +27,12 @@ from components.contract import (
     write_trajectories,
 )
 from components.onboarding import OnboardingResult, onboard, version_with_dvc
-from components.reports import markdown_table, metrics_path, report_path, write_csv, write_stage_outputs
+from components.reports import GAMES_FILE, markdown_table, metrics_path, report_path, write_csv, write_stage_outputs
 from components.validation import Limits, read_raw_records, validate_records
 
 log = logging.getLogger(__name__)
 PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # evaluate_experience_model's
 EPISODES_FILE = "reports/evaluate_policies_episodes.jsonl"  # evaluate_policies' episodes, to replay failures
-GAMES_FILE = "reports/evaluate_policies_games.csv"  # one row per policy and held-out game: the study pairs them
 
 
 class StageError(RuntimeError):

@@ -23,7 +23,7 @@ from typing import Any
 from components.config import ParamsError
 from components.evaluation import wilson_interval
 from components.files import atomic_directory
-from components.reports import markdown_table, pyplot, save_figure
+from components.reports import GAMES_FILE, markdown_table, pyplot, save_figure
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
 # kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs
 RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
              "sim_to_real_iterations.csv")
-GAMES_FILE = "evaluate_policies_games.csv"  # kept from reports/: each held-out game's outcome, to pair the methods
+KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
 
 
@@ -93,12 +93,11 @@ def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[s
     return [v for v in every if not names or v.name in names]
 
 
-def keep_run(run_dir: str | Path, record: dict[str, Any], metrics_dir: str | Path = "metrics",
-             reports_dir: str | Path = "reports") -> Path:
-    """Copy a finished run's RUN_FILES, GAMES_FILE and its record into `run_dir`, whole or not at all (a rerun
-    replaces it)."""
+def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".") -> Path:
+    """Copy a finished run's RUN_FILES, its games (GAMES_FILE) and its record from the pipeline in `root` into
+    `run_dir`, whole or not at all (a rerun replaces it)."""
     with atomic_directory(Path(run_dir), replace=True) as partial:
-        sources = [Path(metrics_dir) / name for name in RUN_FILES] + [Path(reports_dir) / GAMES_FILE]
+        sources = [Path(root) / "metrics" / name for name in RUN_FILES] + [Path(root) / GAMES_FILE]
         for source in sources:
             if source.is_file():
                 shutil.copy(source, partial / source.name)
@@ -173,7 +172,7 @@ def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("
         if name in known and seed.isdigit() and (path / "evaluate_policies.json").is_file():
             runs.append(Run(path, known[name], int(seed), _read(path / "evaluate_policies.json"),
                             _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
-                            _read(path / RUN_RECORD), _read_games(path / GAMES_FILE)))
+                            _read(path / RUN_RECORD), _read_games(path / KEPT_GAMES)))
     return runs
 
 
@@ -247,7 +246,7 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
 
 def paired_games(runs: list[Run]) -> dict[tuple[str, str], dict[tuple[int, str], bool]]:
     """(method, environment) -> (seed, task id) -> won, for the methods whose every counted run kept its games
-    (GAMES_FILE) and whose games add up to its metrics: the same episodes `aggregate` pools, game by game."""
+    (KEPT_GAMES) and whose games add up to its metrics: the same episodes `aggregate` pools, game by game."""
     games: dict[tuple[str, str], dict[tuple[int, str], bool]] = {}
     incomplete = set()
     for run, label, method, environment, result in _method_results(runs):
@@ -270,12 +269,12 @@ def sign_test(a_only: int, b_only: int) -> float:
 # The paper's claims as comparisons of two table rows: (claim, method A, method B, kind). "better": A beats B;
 # "not worse": A does at least as well as B; "better with generated tasks": "better", testable only if A's curriculum
 # accepted a generated task (else A played the ablation's schedule, episode for episode). {A} is the algorithm; the
-# ablations are on GRPO, as in the paper.
+# ablations are on GRPO, as in the paper. {share}: A's real transitions as a share of B's, as the runs spent them.
 CLAIMS = (
     ("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better"),
     ("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})", "{A} in the real environment",
      "not worse"),
-    ("Sim-to-real with a tenth of the real budget beats real-only RL with all of it", "DreamGym-S2R ({A})",
+    ("Sim-to-real on {share} of the real transitions beats real-only RL on all of them", "DreamGym-S2R ({A})",
      "{A} in the real environment", "better"),
     ("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum", "better with generated tasks"),
     ("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval", "better"),
@@ -306,8 +305,9 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
             for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
                 ra, rb = metrics[a][environment], metrics[b][environment]
                 pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
-                rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}",
-                             f"{b}: {rb['successes']}/{rb['episodes']}", _verdict(ra, rb, kind, pairs, confidence)])
+                rows.append([claim.format(share=_share(ra, rb)), environment,
+                             f"{a}: {ra['successes']}/{ra['episodes']}", f"{b}: {rb['successes']}/{rb['episodes']}",
+                             _verdict(ra, rb, kind, pairs, confidence)])
             if kind == "better with generated tasks":  # the answer is known without the ablation's run
                 for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
                     ra = metrics[a][environment]
@@ -318,6 +318,11 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
     return markdown_table(["claim", "environment", "A", "B", "verdict"], rows)
+
+
+def _share(a: dict[str, Any], b: dict[str, Any]) -> str:
+    spent = b.get("real_transitions_mean") or 0
+    return f"{a.get('real_transitions_mean', 0) / spent:.0%}" if spent else "a share"
 
 
 def _pairs(a: dict[tuple[int, str], bool] | None, b: dict[tuple[int, str], bool] | None) -> tuple[int, int, int] | None:
@@ -421,12 +426,17 @@ def report(results_dir: str | Path, confidence: float = 0.95,
     """The study's metrics and markdown report, with its plots written into `results_dir`."""
     results_dir = Path(results_dir)
     runs = finished_runs(results_dir, algorithm_names)
+    profiles = {run.path.name: run.record.get("profile", "custom") for run in runs}
+    if len(set(profiles.values()) - {"custom"}) > 1:
+        raise ParamsError(f"{results_dir}: its runs were made at different profiles ({profiles}), and a report pools "
+                          "them. Keep each profile's runs in its own folder (its study.results_dir).")
     metrics, table = aggregate(runs, confidence)
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
-            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs). An environment "
+            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs, profile "
+            f"{', '.join(sorted(set(profiles.values()))) or '-'}). An environment "
             f"marked (simulated) is a seed-only domain: its held-out games are played inside the experience model."
             f"\n\n{table}"
             + (f"\n![held-out success]({bars.name})\n" if bars else "")

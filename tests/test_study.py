@@ -110,14 +110,15 @@ def _rates(successes, episodes):
 def test_without_kept_games_a_claim_counts_only_when_the_intervals_are_apart():
     tw = "textworld-cooking"
     metrics = {"SFT only": {tw: _rates(2, 40)}, "DreamGym (GRPO)": {tw: {**_rates(30, 40), "generated_tasks_mean": 3}},
-               "GRPO in the real environment": {tw: _rates(26, 40)}, "DreamGym-S2R (GRPO)": {tw: _rates(0, 40)},
+               "GRPO in the real environment": {tw: {**_rates(26, 40), "real_transitions_mean": 336}},
+               "DreamGym-S2R (GRPO)": {tw: {**_rates(0, 40), "real_transitions_mean": 33}},
                "DreamGym (GRPO) w/o curriculum": {tw: _rates(0, 40)}}
     rows = {line.split(" | ")[0].strip("| "): line for line in claim_verdicts(metrics, ("grpo",)).splitlines()}
     assert "supported: A higher, intervals apart" in rows["Synthetic-only RL improves on the warm start"]
     assert "not contradicted: A higher, intervals overlap |" in rows[  # same seeds: nothing to add
         "Synthetic-only RL matches RL in the real environment"]
     assert "contradicted: A lower, intervals apart" in rows[
-        "Sim-to-real with a tenth of the real budget beats real-only RL with all of it"]
+        "Sim-to-real on 10% of the real transitions beats real-only RL on all of them"]
     assert "supported" in rows["The curriculum helps"] and "Retrieval of similar transitions helps" not in rows
     both_lost = {"SFT only": {tw: _rates(0, 3)}, "DreamGym (GRPO)": {tw: _rates(0, 3)}}
     assert "not testable: neither won a game" in claim_verdicts(both_lost, ("grpo",))
@@ -138,7 +139,7 @@ def test_without_kept_games_a_claim_counts_only_when_the_intervals_are_apart():
 
 
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):
-    """A kept GAMES_FILE's rows for one policy: it won the games numbered in `won`, of games g0..g<played-1>."""
+    """A kept games file's rows for one policy: it won the games numbered in `won`, of games g0..g<played-1>."""
     path = run_dir / "evaluate_policies_games.csv"
     lines = [] if path.is_file() else ["policy,environment,task_id,won,steps"]
     lines += [f"{policy},{environment},g{i},{int(i in won)},5" for i in range(played)]
@@ -157,11 +158,12 @@ def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
     tw = "textworld-cooking"
     _run(tmp_path, "dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(2, 12)},
                                            "synthetic_grpo": {tw: _evaluation(8, 12)},
-                                           "sim-to-real": {tw: _evaluation(3, 12)}}, synthetic=40)
+                                           "sim-to-real": {tw: _evaluation(3, 12)}}, s2r_used=16, synthetic=40)
     _games(tmp_path / "dreamgym-grpo-seed0", "sft_warm_start", {0, 1})
     _games(tmp_path / "dreamgym-grpo-seed0", "synthetic_grpo", set(range(8)))
     _games(tmp_path / "dreamgym-grpo-seed0", "sim-to-real", {0, 1, 9})
-    _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(9, 12)}}, start_from="sft")  # no games kept
+    _run(tmp_path, "real-grpo-seed0", {"sim-to-real": {tw: _evaluation(9, 12)}}, s2r_used=160,
+         start_from="sft")  # no games kept
     runs = finished_runs(tmp_path)
     metrics, _ = aggregate(runs)
     rows = {line.split(" | ")[0].strip("| "): line
@@ -180,7 +182,7 @@ def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
     assert "contradicted: A lower, of 12 games both played, A alone won 0, B alone 6" in \
         rows_for({0}, set(range(7)))["Synthetic-only RL improves on the warm start"]
     assert "not resolved: A lower, intervals overlap" in rows[  # 3/12 against 9/12, without pairs
-        "Sim-to-real with a tenth of the real budget beats real-only RL with all of it"]
+        "Sim-to-real on 10% of the real transitions beats real-only RL on all of them"]
     unpaired = claim_verdicts(metrics, ("grpo",))
     assert "Synthetic-only RL improves on the warm start | textworld-cooking | DreamGym (GRPO): 8/12 | SFT only: " \
            "2/12 | not resolved: A higher, intervals overlap" in unpaired
@@ -228,7 +230,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     reports_dir.mkdir()
     _games(reports_dir, "sim-to-real", {0, 1, 2}, played=4)
 
-    run_dir = keep_run(results / "dreamgym-grpo-seed0", record, metrics_dir, reports_dir)
+    run_dir = keep_run(results / "dreamgym-grpo-seed0", record, tmp_path)
 
     assert sorted(p.name for p in results.iterdir()) == ["dreamgym-grpo-seed0"]
     assert not (run_dir / "stale.json").exists()
@@ -239,6 +241,12 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
+    assert 'profile quick)' in text
+
+    # a run of another profile in the same folder would be pooled with these: the report refuses, naming both
+    keep_run(results / "real-grpo-seed0", {**record, "run": "real-grpo-seed0", "profile": "cpu"}, tmp_path)
+    with pytest.raises(ParamsError, match=r"different profiles .*'dreamgym-grpo-seed0': 'quick'.*'cpu'"):
+        report(results, 0.95, ("grpo",))
 
 
 def test_a_finished_run_is_skipped_at_its_own_profile_and_refused_at_another(tmp_path):
