@@ -23,7 +23,16 @@ from typing import Any
 from components.config import ParamsError
 from components.evaluation import wilson_interval
 from components.files import atomic_directory
-from components.reports import GAMES_FILE, markdown_table, pyplot, save_figure
+from components.reports import (
+    GAMES_FILE,
+    markdown_table,
+    metrics_path,
+    pyplot,
+    report_path,
+    save_figure,
+    write_csv,
+    write_stage_outputs,
+)
 
 
 @dataclass(frozen=True)
@@ -444,6 +453,21 @@ def report(results_dir: str | Path, confidence: float = 0.95,
             + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
             + f"\n## Runs\n\n{runs_table(runs)}"
             + (f"\n![learning curves]({curves.name})\n" if curves else ""))
+    return metrics, text
+
+
+def write_report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
+                 root: str | Path = ".") -> tuple[dict[str, Any], str]:
+    """`report`, written: README.md in `results_dir`, and the results_study stage outputs in `root` (metrics JSON and
+    CSV, reports/results_study.md with its plots beside it)."""
+    results_dir = Path(results_dir)
+    metrics, text = report(results_dir, confidence, algorithm_names)
+    results_dir.mkdir(parents=True, exist_ok=True)  # no run may have finished yet
+    (results_dir / "README.md").write_text(text, encoding="utf-8")
+    write_stage_outputs("results_study", metrics, text, root)
+    for image in results_dir.glob("results_study*.png"):  # beside reports/results_study.md, whose links name them
+        shutil.copy(image, report_path("results_study", root).with_name(image.name))
+    write_csv(flat_rows(metrics), metrics_path("results_study", root).with_suffix(".csv"))
     return metrics, text
 
 

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     artifacts.add_argument("--keep", type=int, default=5,
                            help="prune: runs to keep, newest first (default: %(default)s)")
     artifacts.add_argument("--dry-run", action="store_true", help="prune: say what would be deleted, delete nothing")
+    study_command = commands.add_parser("study", help="the results study: `report` remakes its report from the runs "
+                                        "kept in study.results_dir (runs copied in from other checkouts), running none")
+    study_command.add_argument("action", choices=["report"])
     params_command = commands.add_parser("params", help="params.yaml: check it, or switch profile")
     params_command.add_argument("action", choices=["check", "use"])
     params_command.add_argument("profile", nargs="?", help="for `use`: quick, cpu, gpu (profiles/NAME.yaml) or a path")
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return _deploy(args, params)
     if args.command == "artifacts":
         return _artifacts(args, params)
+    if args.command == "study":
+        return _study_report(params)
     if args.action == "use":
         from components.config import use_profile
 
@@ -180,6 +185,20 @@ def _artifacts(args: argparse.Namespace, params) -> int:
         return EXIT_FAILED
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(removed)} runs, kept the newest {args.keep}" + "".join(f"\n  {run}" for run in removed))
+    return EXIT_OK
+
+
+def _study_report(params) -> int:
+    from components import study
+
+    results_dir = Path(params.study.results_dir)
+    try:
+        metrics, _ = study.write_report(results_dir, params.evaluate.confidence, tuple(params.study.algorithms))
+    except ParamsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    print(f"{results_dir / 'README.md'}: {len(study.finished_runs(results_dir, tuple(params.study.algorithms)))} "
+          f"runs, {len(metrics)} methods; also reports/results_study.md and metrics/results_study.json")
     return EXIT_OK
 
 

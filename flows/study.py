@@ -7,7 +7,6 @@ warm start, sim-to-real variants the cached synthetic RL), each finished run's m
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +16,6 @@ from prefect.artifacts import create_markdown_artifact
 
 from components import study
 from components.config import active_profile, load_params
-from components.reports import metrics_path, report_path, write_csv, write_stage_outputs
 from components.stages import StageError
 from flows.pipeline import PARAMS, run_logged
 
@@ -58,13 +56,7 @@ def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
 
 @task
 def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) -> dict:
-    metrics, text = study.report(results_dir, confidence, algorithms)
-    results_dir.mkdir(parents=True, exist_ok=True)  # no run may have finished yet
-    (results_dir / "README.md").write_text(text, encoding="utf-8")
-    write_stage_outputs("results_study", metrics, text)
-    for image in results_dir.glob("results_study*.png"):  # beside reports/results_study.md, whose links name them
-        shutil.copy(image, report_path("results_study").with_name(image.name))
-    write_csv(study.flat_rows(metrics), metrics_path("results_study").with_suffix(".csv"))
+    metrics, text = study.write_report(results_dir, confidence, algorithms)
     create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
     get_run_logger().info("results study: %s (metrics/results_study.json, artifact results-study)",
                           results_dir / "README.md")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ from components.study import (
     success_plot,
     variants,
 )
+from flows.cli import main
 
 
 def _evaluation(successes: int, episodes: int) -> dict:
@@ -270,3 +273,19 @@ def test_a_finished_run_is_skipped_at_its_own_profile_and_refused_at_another(tmp
     with pytest.raises(ParamsError, match=r"finished with sim_to_real.real_transitions=16, but this study sets "
                                           r"sim_to_real.real_transitions=33 .*delete .*seed0 to run it again"):
         is_finished(run_dir, "quick", {"seed": 0, "sim_to_real.real_transitions": 33})
+
+
+def test_the_committed_cpu_study_report_is_what_its_kept_runs_make(tmp_path, monkeypatch):
+    """`dreamgym study report` remakes a study's report from its kept runs alone (runs copied in from other
+    checkouts), running nothing: from the CPU study's committed runs, it writes the committed report, word for word."""
+    repo = Path(__file__).resolve().parents[1]
+    kept = Path("reports/studies/results/cpu")
+    shutil.copytree(repo / kept, tmp_path / kept, ignore=shutil.ignore_patterns("*.png", "README.md"))
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["--params", str(repo / "params.yaml"), "--set", f"study.results_dir={kept}", "study", "report"]) == 0
+
+    assert (kept / "README.md").read_text() == (repo / kept / "README.md").read_text()
+    assert Path("reports/results_study.md").read_text() == (kept / "README.md").read_text()
+    assert json.loads(Path("metrics/results_study.json").read_text())["SFT only"]["textworld-cooking"]["episodes"] == 22
+    assert (kept / "results_study.png").is_file() and Path("reports/results_study.png").is_file()
