@@ -198,6 +198,8 @@ class ExperienceModelParams(Section):
     prompt: PromptParams
     training: TrainingParams
     outcome_repeats: int = Field(ge=1, description="rewarded or terminal training transitions appear this many times")
+    lookalike_repeats: int = Field(
+        ge=1, description="unrewarded training steps of a command rewarded elsewhere appear this many times")
     inference: InferenceParams
     fidelity_max_transitions: int = Field(
         ge=0, description="held-out transitions scored per environment (0: all); rewarded and terminal ones first")

@@ -118,6 +118,17 @@ def is_outcome(reward: float, done: bool) -> bool:
     return reward != 0 or done
 
 
+def rewarded_commands(transitions_: Iterable[Any]) -> set[tuple[str, str]]:
+    """(environment, action) of every rewarded transition: what `is_lookalike` compares against."""
+    return {(t.task.environment, t.action) for t in transitions_ if t.reward > 0}
+
+
+def is_lookalike(t: Any, rewarded: set[tuple[str, str]]) -> bool:
+    """An unrewarded, non-terminal step whose command earns a reward elsewhere (`rewarded`, same environment): `eat
+    meal` with no meal prepared, which an experience model rewarding by command or by turn wins."""
+    return not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded
+
+
 def is_heldout_task(task_id: str, fraction: float) -> bool:
     """A stable split by task: the same task lands on the same side on every machine, run and data size."""
     return zlib.crc32(task_id.encode("utf-8")) % 10_000 < fraction * 10_000

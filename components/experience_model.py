@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.annotation import AnnotatedTransition
-from components.contract import Task, is_outcome
+from components.contract import Task, is_lookalike, is_outcome, rewarded_commands
 from components.replay_buffer import ReplayBuffer, Retrieved
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers, datasets) happen inside the functions that need them
@@ -209,12 +209,16 @@ def sft_examples(
     buffer: ReplayBuffer | None,
     fmt: PromptFormat,
     outcome_repeats: int = 1,
+    lookalike_repeats: int = 1,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
 
     Rewarded or terminal transitions appear `outcome_repeats` times. Why: outcomes are rare in seed data (2-3% of
     TextWorld steps), and a model trained on the plain mix learns "reward 0, not done" everywhere, so synthetic RL
     never sees a success.
+    Look-alikes (`contract.is_lookalike`: unrewarded steps of a command rewarded elsewhere, `eat meal` with no meal)
+    appear `lookalike_repeats` times. Why: repeating only the rewarded `eat meal` teaches "eat meal wins" whatever the
+    state (reports/studies/experience_model/on_policy/).
 
     History is rebuilt from the earlier steps of each transition's trajectory. Grounding examples come from
     `buffer.retrieve_examples`, which never returns the transition's own trajectory: the buffer holds the seed data
@@ -223,8 +227,10 @@ def sft_examples(
     """
     from datasets import Dataset
 
-    if outcome_repeats < 1:
-        raise ValueError(f"outcome_repeats must be >= 1, got {outcome_repeats}")
+    if outcome_repeats < 1 or lookalike_repeats < 1:
+        raise ValueError(f"outcome_repeats and lookalike_repeats must be >= 1, got {outcome_repeats}, "
+                         f"{lookalike_repeats}")
+    rewarded = rewarded_commands(annotated)
     by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
     for record in annotated:
         by_trajectory[record.trajectory_id].append(record)
@@ -248,7 +254,9 @@ def sft_examples(
             "trajectory_id": record.trajectory_id,
             "step_index": record.step_index,
         }
-        rows.extend([row] * (outcome_repeats if is_outcome(record.reward, record.done) else 1))
+        repeats = outcome_repeats if is_outcome(record.reward, record.done) else \
+            lookalike_repeats if is_lookalike(record, rewarded) else 1
+        rows.extend([row] * repeats)
     return Dataset.from_list(rows)
 
 

@@ -38,7 +38,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from components.contract import Trajectory, Transition, is_heldout_task, is_outcome, transitions
+from components.contract import (
+    Trajectory,
+    Transition,
+    is_heldout_task,
+    is_lookalike,
+    is_outcome,
+    rewarded_commands,
+    transitions,
+)
 
 if TYPE_CHECKING:
     from components.experience_model import ExperienceModelBackend, PromptFormat
@@ -92,17 +100,6 @@ def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: i
         chosen += alike[:per_environment // 4]
         sample += chosen + ordinary[:per_environment - len(chosen)]
     return sample
-
-
-def rewarded_commands(transitions_: Iterable[Transition]) -> set[tuple[str, str]]:
-    """(environment, action) of every rewarded transition: what `is_lookalike` compares against."""
-    return {(t.task.environment, t.action) for t in transitions_ if t.reward > 0}
-
-
-def is_lookalike(t: Transition, rewarded: set[tuple[str, str]]) -> bool:
-    """An unrewarded, non-terminal step whose command earns a reward elsewhere (`rewarded`, same environment): `eat
-    meal` with no meal prepared, which an experience model rewarding by command or by turn wins."""
-    return not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded
 
 
 # -------------------------------------------------------------------------------------------------- the metrics

@@ -228,7 +228,7 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
         raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
     fmt = em.PromptFormat(**settings.prompt.model_dump())
     buffer = _saved_buffer(params, root) if fmt.use_retrieval else None
-    dataset = em.sft_examples(annotated, buffer, fmt, settings.outcome_repeats)
+    dataset = em.sft_examples(annotated, buffer, fmt, settings.outcome_repeats, settings.lookalike_repeats)
     training = settings.training
     lora = sft.LoraSettings(**training.lora.model_dump()) if training.lora else None
     result = sft.train_sft(
@@ -240,7 +240,8 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
                "resumed": result.resumed_from is not None}
     text = (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} examples of "
             f"annotated training-task transitions in {', '.join(settings.environments)}, rewarded or terminal ones "
-            f"repeated {settings.outcome_repeats} times ({result.too_long} left out as "
+            f"repeated {settings.outcome_repeats} times, look-alikes {settings.lookalike_repeats} times "
+            f"({result.too_long} left out as "
             f"longer than {training.max_seq_len} tokens): {result.global_step} optimizer steps, "
             f"{_sft_summary(result)}. Reasoning in the target: {fmt.use_reasoning}; retrieved examples in the "
             f"prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")

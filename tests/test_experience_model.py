@@ -308,6 +308,19 @@ def test_sft_examples_repeat_rewarded_and_terminal_transitions():
         sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=0)
 
 
+def test_sft_examples_repeat_lookalikes_of_a_rewarded_command():
+    no_meal = Trajectory("tw-2", TASK, [_step(KITCHEN, "eat meal", "You can't see any such thing.", score=0,
+                                              max_score=2, valid_action=False)], success=False, return_=0.0,
+                         source="skipping_expert")
+    records = annotate([_trajectory("tw-1"), no_meal])
+    dataset = sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=3, lookalike_repeats=2)
+    rows = [(row["trajectory_id"], row["step_index"]) for row in dataset]
+    # the rewarded "eat meal" 3 times, the refused one (same command, no meal) twice, the rest once
+    assert rows == [("tw-1", 0), ("tw-1", 1)] + [("tw-1", 2)] * 3 + [("tw-2", 0)] * 2
+    with pytest.raises(ValueError, match="lookalike_repeats"):
+        sft_examples(records, None, PromptFormat(use_retrieval=False), lookalike_repeats=0)
+
+
 # ---- backends -------------------------------------------------------------------------------------------------
 
 
