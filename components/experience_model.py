@@ -254,9 +254,12 @@ def sft_examples(
             "trajectory_id": record.trajectory_id,
             "step_index": record.step_index,
         }
-        repeats = outcome_repeats if is_outcome(record.reward, record.done) else \
-            lookalike_repeats if is_lookalike(record, rewarded) else 1
-        rows.extend([row] * repeats)
+        if is_outcome(record.reward, record.done):
+            rows.extend([row] * outcome_repeats)
+        elif is_lookalike(record, rewarded):
+            rows.extend([row] * lookalike_repeats)
+        else:
+            rows.append(row)
     return Dataset.from_list(rows)
 
 

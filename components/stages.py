@@ -260,12 +260,8 @@ def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[st
         heldout = fidelity.outcomes_first_sample(heldout, settings.fidelity_max_transitions)
     buffer = _saved_buffer(params, root)
     fmt, inference = em.PromptFormat(**settings.prompt.model_dump()), settings.inference
-    backend = _experience_backend(params, root)
     stats = em.PredictionStats()
-    model = fidelity.model_predictor(
-        backend, fmt, buffer, retries=inference.retries, max_new_tokens=inference.max_new_tokens,
-        temperature=inference.temperature, retry_temperature=inference.retry_temperature, stats=stats)
-    predictions = model(heldout)
+    predictions = _experience_predictor(params, root, buffer, stats)(heldout)
     predictors = {
         "experience model": lambda _: predictions,
         "copy nearest neighbour": fidelity.copy_nearest_neighbour(buffer),
@@ -379,6 +375,20 @@ def _experience_backend(params: Params, root: Path) -> Any:
     inference, out_dir = params.experience_model.inference, params.experience_model.out_dir
     model = params.models.experience if inference.backend == "openai" else str(root / out_dir / "model")
     return em.make_backend(inference.backend, model, inference.batch_size, inference.base_url, stop=(em.REPLY_END,))
+
+
+def _experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -> Any:
+    """The trained experience model as a fidelity predictor (`fidelity.model_predictor`), with the prompt format and
+    inference settings in params; `stats` (an `experience_model.PredictionStats`) counts its requests and fallbacks."""
+    from components import experience_model as em
+    from components import fidelity
+
+    settings = params.experience_model
+    inference = settings.inference
+    return fidelity.model_predictor(
+        _experience_backend(params, root), em.PromptFormat(**settings.prompt.model_dump()), buffer,
+        retries=inference.retries, max_new_tokens=inference.max_new_tokens, temperature=inference.temperature,
+        retry_temperature=inference.retry_temperature, stats=stats)
 
 
 def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list[str]) -> tuple[list, Any]:

@@ -24,8 +24,8 @@ from pathlib import Path
 from components import experience_model as em
 from components.config import load_params
 from components.contract import Trajectory, read_records, transitions
-from components.fidelity import model_predictor, reward_correct
-from components.stages import _experience_backend, _saved_buffer
+from components.fidelity import reward_correct
+from components.stages import _experience_predictor, _saved_buffer
 
 
 def outcome(next_state: str) -> str:
@@ -80,14 +80,9 @@ def main() -> None:
           f"{sum(len(g) for g in groups.values())} with the commands")
 
     params = load_params("params.yaml")
-    settings = params.experience_model
-    fmt, inference = em.PromptFormat(**settings.prompt.model_dump()), settings.inference
+    fmt = em.PromptFormat(**params.experience_model.prompt.model_dump())
     stats = em.PredictionStats()
-    predict = model_predictor(_experience_backend(params, Path(".")), fmt, _saved_buffer(params, Path(".")),
-                              retries=inference.retries, max_new_tokens=inference.max_new_tokens,
-                              temperature=inference.temperature, retry_temperature=inference.retry_temperature,
-                              stats=stats)
-    predictions = predict(chosen)
+    predictions = _experience_predictor(params, Path("."), _saved_buffer(params, Path(".")), stats)(chosen)
 
     rows = [{"action": t.action.strip(), "real": outcome(t.next_state), "predicted": outcome(p.next_state),
              "real_reward": t.reward, "predicted_reward": p.reward, "fallback": p.fallback,
