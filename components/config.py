@@ -201,6 +201,11 @@ class ExperienceModelParams(Section):
     lookalike_repeats: int = Field(
         ge=1, description="unrewarded training steps of a command rewarded elsewhere appear this many times")
     inference: InferenceParams
+    max_fallback_rate: float = Field(
+        ge=0, le=1, description="share of predictions that may fall back (unparsable) before a stage using the "
+                                "experience model fails")
+    max_backend_error_rate: float = Field(
+        ge=0, le=1, description="share of backend calls that may raise before a stage using the experience model fails")
     fidelity_max_transitions: int = Field(
         ge=0, description="held-out transitions scored per environment (0: all); rewarded and terminal ones first")
 

@@ -28,7 +28,9 @@ conditioned on it: that is the paper's joint objective, and the loss covers the 
 
 Inference goes through `ExperienceModelBackend.generate` (Hugging Face batched `generate` by default; vLLM and any
 OpenAI-compatible endpoint behind the same seam). `predict` never raises on bad model output: it retries unparsable
-replies with sampling, then falls back (see `fallback_prediction`) and counts it in `PredictionStats`.
+replies (and rewards outside the configured range) with sampling, then falls back (see `fallback_prediction`) and
+counts it in `PredictionStats`. A stage then holds the run to a `FallbackBudget`: a simulator that mostly falls back
+is the state-unchanged baseline under another name, and the stage fails saying so.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from components.annotation import AnnotatedTransition
@@ -469,6 +471,9 @@ def fallback_prediction(query: ExperienceQuery, attempts: int) -> Prediction:
     return Prediction(f"{query.state}\n{FALLBACK_NOTE}", 0.0, False, None, fallback=True, attempts=attempts)
 
 
+FAILED_REPLIES_KEPT = 3  # the first unparsable replies a run keeps, to show in a budget failure
+
+
 @dataclass
 class PredictionStats:
     """Counters across `predict` calls: pass one object to every call of a run and report `as_dict()`."""
@@ -477,14 +482,77 @@ class PredictionStats:
     generations: int = 0
     retries: int = 0  # generations beyond each request's first
     fallbacks: int = 0
+    reward_out_of_range: int = 0  # replies that parsed with a reward outside the range (counted as unparsable)
+    backend_calls: int = 0  # generate() calls
     backend_errors: int = 0  # generate() calls that raised (each costs its batch one attempt)
+    failed_replies: list[str] = field(default_factory=list, repr=False)  # the first few, for the failure message
+    last_backend_error: str | None = field(default=None, repr=False)
 
     @property
     def fallback_rate(self) -> float:
         return self.fallbacks / self.requests if self.requests else 0.0
 
+    @property
+    def backend_error_rate(self) -> float:
+        return self.backend_errors / self.backend_calls if self.backend_calls else 0.0
+
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "fallback_rate": self.fallback_rate}
+        counts = {key: value for key, value in asdict(self).items()
+                  if key not in ("failed_replies", "last_backend_error")}
+        return {**counts, "fallback_rate": self.fallback_rate, "backend_error_rate": self.backend_error_rate}
+
+    def keep_failed(self, reply: str) -> None:
+        if len(self.failed_replies) < FAILED_REPLIES_KEPT:
+            self.failed_replies.append(reply)
+
+
+class ExperienceModelFailure(RuntimeError):
+    """The experience model failed more often than its budget allows: its outcomes would be the fallback's."""
+
+
+@dataclass(frozen=True)
+class FallbackBudget:
+    """How often the experience model may fail before a stage stops (params experience_model.max_fallback_rate and
+    max_backend_error_rate, fractions in [0, 1])."""
+
+    max_fallback_rate: float
+    max_backend_error_rate: float
+
+    def check(self, stats: PredictionStats, where: str, max_new_tokens: int | None = None) -> None:
+        """Raise ExperienceModelFailure, with the rate, the first failed replies and what to do, when `stats` are over
+        budget; `where` names the stage (and part) in the message."""
+        problems = []
+        if stats.backend_error_rate > self.max_backend_error_rate:
+            problems.append(
+                f"the backend failed on {stats.backend_errors} of {stats.backend_calls} calls "
+                f"({stats.backend_error_rate:.0%}; experience_model.max_backend_error_rate is "
+                f"{self.max_backend_error_rate:.0%}); last error: {stats.last_backend_error}. Check the endpoint "
+                "(experience_model.inference.base_url), the served model's name (models.experience) and the key in "
+                "OPENAI_API_KEY, or the model directory for the hf backend")
+        if stats.fallback_rate > self.max_fallback_rate:
+            shown = "".join(f"\n  {n}. {_preview(reply)}" for n, reply in enumerate(stats.failed_replies, 1))
+            cut = [reply for reply in stats.failed_replies if REPLY_END not in reply]
+            hint = (f" {len(cut)} of the {len(stats.failed_replies)} shown never reach {REPLY_END}: cut at "
+                    f"experience_model.inference.max_new_tokens ({max_new_tokens}) or the format is not learned."
+                    if cut and max_new_tokens else "")
+            out_of_range = (f" {stats.reward_out_of_range} replies gave a reward outside data.reward_range."
+                            if stats.reward_out_of_range else "")
+            problems.append(
+                f"it fell back on {stats.fallbacks} of {stats.requests} predictions ({stats.fallback_rate:.0%}; "
+                f"experience_model.max_fallback_rate is {self.max_fallback_rate:.0%}), so those steps are 'state "
+                f"unchanged, reward 0', not a simulation.{out_of_range}{hint} First unparsable replies:"
+                f"{shown or ' (none kept: they came before a resume)'}\nWhat to do: train it longer "
+                "(experience_model.training: max_steps -1 and more epochs) until its replies parse "
+                "(reports/evaluate_experience_model.md shows the rate on held-out steps); raise "
+                "experience_model.inference.max_new_tokens if replies are cut before the closing tag; allow "
+                "experience_model.inference.retries; or, knowingly, raise experience_model.max_fallback_rate")
+        if problems:
+            raise ExperienceModelFailure(f"{where}: the experience model is over its failure budget: "
+                                         + "; ".join(problems) + ".")
+
+
+def _preview(reply: str, limit: int = 200) -> str:
+    return repr(reply if len(reply) <= limit else reply[:limit] + f"... ({len(reply)} chars)")
 
 
 def predict(
@@ -496,12 +564,14 @@ def predict(
     temperature: float = 0.0,
     retry_temperature: float = 0.7,
     stats: PredictionStats | None = None,
+    reward_range: tuple[float, float] | None = None,
 ) -> list[Prediction]:
     """One prediction per query, in order; never raises on bad output or a failing backend.
 
-    The first attempt uses `temperature` (0: greedy); the unparsable replies are generated again, up to `retries`
-    times, sampling at `retry_temperature` at least (a greedy retry would repeat the same reply); what still fails
-    gets `fallback_prediction`.
+    The first attempt uses `temperature` (0: greedy); the unparsable replies (a reward outside `reward_range` is
+    one: the environment cannot give it) are generated again, up to `retries` times, sampling at
+    `retry_temperature` at least (a greedy retry would repeat the same reply); what still fails gets
+    `fallback_prediction`.
     """
     stats = stats if stats is not None else PredictionStats()
     stats.requests += len(queries)
@@ -515,18 +585,25 @@ def predict(
         if attempt:
             stats.retries += len(pending)
         heat = temperature if attempt == 0 else max(temperature, retry_temperature)
+        stats.backend_calls += 1
         try:
             replies = backend.generate([prompts[i] for i in pending], max_new_tokens=max_new_tokens, temperature=heat)
             if len(replies) != len(pending):
                 raise BackendError(f"{len(replies)} replies for {len(pending)} prompts")
-        except Exception as error:  # noqa: BLE001  (a rollout must survive a backend hiccup)
+        except Exception as error:  # noqa: BLE001  (a rollout must survive a backend hiccup; the budget counts it)
             stats.backend_errors += 1
+            stats.last_backend_error = f"{type(error).__name__}: {error}"
             log.warning("experience model backend failed (attempt %d): %s", attempt + 1, error)
             continue
         still = []
         for i, reply in zip(pending, replies, strict=True):
             parsed = parse_prediction(reply)
+            if parsed is not None and reward_range is not None and not (
+                    reward_range[0] <= parsed.reward <= reward_range[1]):
+                stats.reward_out_of_range += 1
+                parsed = None
             if parsed is None:
+                stats.keep_failed(reply)
                 still.append(i)
             else:
                 results[i] = replace(parsed, attempts=attempt + 1)

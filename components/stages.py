@@ -274,6 +274,8 @@ def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[st
                     "predicted": {"next_state": p.next_state, "reward": p.reward, "done": p.done,
                                   "reasoning": p.reasoning, "fallback": p.fallback}}
                    for t, p in zip(heldout, predictions, strict=True)), root / PREDICTIONS_FILE)
+    _fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
+                                          f"{PREDICTIONS_FILE})", inference.max_new_tokens)
     metrics = {"transitions": len(heldout), "prediction": stats.as_dict(), **results}
     text = (fidelity.fidelity_report(results)
             + f"\n{len(heldout)} held-out transitions (tasks never seen in training or in the buffer). The experience "
@@ -388,7 +390,20 @@ def _experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -
     return fidelity.model_predictor(
         _experience_backend(params, root), em.PromptFormat(**settings.prompt.model_dump()), buffer,
         retries=inference.retries, max_new_tokens=inference.max_new_tokens, temperature=inference.temperature,
-        retry_temperature=inference.retry_temperature, stats=stats)
+        retry_temperature=inference.retry_temperature, stats=stats, reward_range=_reward_range(params))
+
+
+def _reward_range(params: Params) -> tuple[float, float]:
+    low, high = params.data.reward_range
+    return low, high
+
+
+def _fallback_budget(params: Params) -> Any:
+    """How often the experience model may fail before a stage using it stops (experience_model.FallbackBudget)."""
+    from components.experience_model import FallbackBudget
+
+    settings = params.experience_model
+    return FallbackBudget(settings.max_fallback_rate, settings.max_backend_error_rate)
 
 
 def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list[str]) -> tuple[list, Any]:
@@ -403,7 +418,8 @@ def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list
     stats = em.PredictionStats()
     envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
                                  stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
-                                 temperature=inference.temperature) for name in names]
+                                 temperature=inference.temperature, reward_range=_reward_range(params))
+            for name in names]
     return envs, stats
 
 
@@ -473,9 +489,17 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     experience = params.experience_model
     simulator = _identity(root / experience.out_dir / "model", root / params.buffer.out_dir, experience.prompt,
                           experience.inference, params.models.experience)
-    result = train(warm_start, curriculum, lambda: SyntheticBatch(*envs), buffer, _policy_format(params),
+    budget = _fallback_budget(params)
+
+    def next_batch() -> SyntheticBatch:
+        # the iterations so far: stop before paying for another on a simulator that does not answer
+        budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
+        return SyntheticBatch(*envs)
+
+    result = train(warm_start, curriculum, next_batch, buffer, _policy_format(params),
                    _rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
                    generator=generator, environment=simulator)
+    budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
     buffer.save(root / settings.out_dir / "replay_buffer")
     curriculum.write_tasks(root / settings.out_dir / "generated_tasks.jsonl")
     rows = result.log
@@ -619,7 +643,8 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     heldout_tasks = first_state_tasks(_policy_trajectories(params, root, heldout=True)) if skipped else []
     simulated = {name: [t for t in heldout_tasks if t.environment == name][: params.policy.eval_tasks]
                  for name in skipped}
-    simulators = _synthetic_environments(params, root, _saved_buffer(params, root), skipped)[0] if skipped else []
+    simulators, simulator_stats = (_synthetic_environments(params, root, _saved_buffer(params, root), skipped)
+                                   if skipped else ([], None))
     metrics: dict[str, Any] = {"skipped": skipped}
     rows, episodes, games = [], [], []
     for label, model_dir in candidates.items():
@@ -656,6 +681,10 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}"])
         metrics[key] = entry
+    if simulator_stats is not None:
+        _fallback_budget(params).check(simulator_stats, "evaluate_policies (held-out games of seed-only domains)",
+                                       params.experience_model.inference.max_new_tokens)
+        metrics["experience_model"] = simulator_stats.as_dict()
     replayed = ""
     if rl_label in candidates:
         metrics["synthetic_replay"], replays, replayed = _replay_synthetic_episodes(params, root, environments)

@@ -24,7 +24,9 @@ from components.experience_model import (
     FALLBACK_NOTE,
     REPLY_END,
     BackendError,
+    ExperienceModelFailure,
     ExperienceQuery,
+    FallbackBudget,
     HFGenerationBackend,
     OpenAICompatibleBackend,
     PredictionStats,
@@ -270,7 +272,48 @@ def test_predict_falls_back_and_counts_without_raising():
     assert predictions[1].next_state == f"{OPEN}\n{FALLBACK_NOTE}"
     assert (predictions[1].reward, predictions[1].done) == (0.0, False)
     assert stats.as_dict() == {"requests": 3, "generations": 5, "retries": 2, "fallbacks": 3,
-                                    "backend_errors": 1, "fallback_rate": 1.0}
+                               "reward_out_of_range": 0, "backend_calls": 3, "backend_errors": 1,
+                               "fallback_rate": 1.0, "backend_error_rate": 1 / 3}
+    assert stats.failed_replies == ["garbage", "garbage", "garbage"]  # kept for the budget's message
+
+
+def test_a_reward_outside_the_range_is_unparsable_and_counted():
+    out_of_range = format_target(OPEN, 5.0, True, "The fridge explodes.")
+    stats = PredictionStats()
+    [prediction] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")],
+                           PromptFormat(), retries=0, stats=stats, reward_range=(-1.0, 1.0))
+    assert prediction.fallback and (prediction.reward, prediction.done) == (0.0, False)
+    assert (stats.fallbacks, stats.reward_out_of_range) == (1, 1)
+    # without a range the same reply is taken as it is (predict's own callers always pass data.reward_range)
+    [taken] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat(),
+                      retries=0)
+    assert (taken.reward, taken.fallback) == (5.0, False)
+
+
+def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_do():
+    budget = FallbackBudget(max_fallback_rate=0.5, max_backend_error_rate=0.0)
+    stats = PredictionStats()
+    queries = [ExperienceQuery(TASK, KITCHEN, "open fridge")] * 4
+    predict(ScriptedBackend("<next_state>\nYou open"), queries, PromptFormat(), retries=0, stats=stats)
+    with pytest.raises(ExperienceModelFailure) as failure:
+        budget.check(stats, "synthetic_rl", max_new_tokens=64)
+    message = str(failure.value)
+    assert message.startswith("synthetic_rl: ")
+    assert "4 of 4 predictions (100%; experience_model.max_fallback_rate is 50%)" in message
+    assert "'<next_state>\\nYou open'" in message  # the first failed replies, as they came
+    assert "never reach </done>" in message and "max_new_tokens (64)" in message
+    assert "train it longer" in message and "experience_model.training" in message
+
+    # half of them parse: at the budget, not over it
+    valid = format_target(OPEN, 0.0, False, "The fridge opens.")
+    predict(ScriptedBackend(valid), queries, PromptFormat(), retries=0, stats=stats)
+    budget.check(stats, "synthetic_rl")
+
+    # a backend that raises is its own budget, with its own advice
+    predict(ScriptedBackend(BackendError("HTTP 404: no such model"), valid), queries[:1], PromptFormat(), retries=1,
+            stats=stats)
+    with pytest.raises(ExperienceModelFailure, match=r"backend failed on 1 of 4 calls .*HTTP 404.*base_url"):
+        budget.check(stats, "evaluate_experience_model")
 
 
 # ---- SFT data -------------------------------------------------------------------------------------------------

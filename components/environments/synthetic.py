@@ -61,13 +61,14 @@ class SyntheticEnvironment(Environment):
         max_history: int = 3,
         max_new_tokens: int = 512,
         temperature: float = 0.0,
+        reward_range: tuple[float, float] | None = None,
         initial_states: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name  # type: ignore[misc]  # per instance: the real environment this one imitates
         self.backend, self.buffer, self.fmt = backend, buffer, fmt
         self.top_k, self.retries, self.max_history = top_k, retries, max_history
         self.stats = stats if stats is not None else PredictionStats()
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.max_new_tokens, self.temperature, self.reward_range = max_new_tokens, temperature, reward_range
         self.initial_states = dict(initial_states or {})
         self.episode: SyntheticEpisode | None = None
 
@@ -106,7 +107,8 @@ class SyntheticEnvironment(Environment):
         queries = [ExperienceQuery(ep.task, ep.state, action, ep.history(self.max_history), found)
                    for ep, action, found in zip(episodes, actions, examples, strict=True)]
         predictions = predict(self.backend, queries, self.fmt, retries=self.retries,
-                              max_new_tokens=self.max_new_tokens, temperature=self.temperature, stats=self.stats)
+                              max_new_tokens=self.max_new_tokens, temperature=self.temperature, stats=self.stats,
+                              reward_range=self.reward_range)
         results = []
         for episode, action, prediction in zip(episodes, actions, predictions, strict=True):
             info = {"synthetic": True, "fallback": prediction.fallback, "reasoning": prediction.reasoning,

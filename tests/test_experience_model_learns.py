@@ -1,0 +1,85 @@
+"""The real packaged backbone (SmolLM2-135M-Instruct, loaded with from_pretrained) as the experience model: before
+SFT its replies do not parse and the fallback budget stops the stage that would use it; after a few SFT steps on a
+handful of examples its replies parse and the same budget lets it through."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from components.annotation import annotate
+from components.contract import Step, Task, Trajectory
+from components.experience_model import (
+    REPLY_END,
+    ExperienceModelFailure,
+    ExperienceQuery,
+    FallbackBudget,
+    HFGenerationBackend,
+    PredictionStats,
+    PromptFormat,
+    predict,
+    sft_examples,
+)
+from components.models import PACKAGED_MODELS, load_causal_lm
+from components.sft import LoraSettings, TrainingSettings, load_trained_model, train_sft
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].package) is None,
+                                reason=PACKAGED_MODELS["smollm2-135m-instruct"].install)
+
+FORMAT = PromptFormat(use_retrieval=False)  # the default reply format (reasoning first); no buffer needed
+BUDGET = FallbackBudget(max_fallback_rate=0.5, max_backend_error_rate=0.0)
+MAX_NEW_TOKENS = 200  # the longest target here is ~120 tokens
+
+
+def _trajectory(number: int, food: str) -> Trajectory:
+    """Three steps of a one-room cooking game: open the fridge, take the food, eat the meal (reward 1, the end)."""
+    task = Task(f"tw-{number}", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")
+    closed = "You are in a kitchen. You see a closed fridge.\nInventory: nothing."
+    opened = f"You open the fridge, revealing a {food}.\nInventory: nothing."
+    taken = f"You take the {food} from the fridge.\nInventory: a {food}."
+    eaten = "You eat the meal. Not bad.\n*** The End ***\nInventory: nothing."
+    steps = [Step(closed, "open fridge", opened, 0.0, False, {"valid_action": True, "score": 0, "max_score": 2}),
+             Step(opened, f"take {food} from fridge", taken, 0.0, False,
+                  {"valid_action": True, "score": 1, "max_score": 2}),
+             Step(taken, "eat meal", eaten, 1.0, True, {"valid_action": True, "won": True, "score": 2,
+                                                         "max_score": 2})]
+    return Trajectory(f"seed-{number}", task, steps, True, 1.0, "expert")
+
+
+@pytest.fixture(scope="module")
+def examples():
+    annotated = annotate([_trajectory(i, food) for i, food in enumerate(["red potato", "carrot", "yellow apple"])])
+    # the training prompts themselves: each step with its trajectory's earlier steps as history
+    queries = [ExperienceQuery(r.task, r.state, r.action,
+                               tuple((s.state, s.action) for s in sorted(annotated, key=lambda s: s.step_index)
+                                     if s.trajectory_id == r.trajectory_id and s.step_index < r.step_index))
+               for r in annotated]
+    return sft_examples(annotated, None, FORMAT), queries
+
+
+def _replies(model_dir_or_name, queries, cache_dir) -> PredictionStats:
+    model, tokenizer = (load_trained_model(model_dir_or_name) if cache_dir is None else
+                        load_causal_lm(model_dir_or_name, cache_dir=cache_dir))
+    stats = PredictionStats()
+    predict(HFGenerationBackend(model, tokenizer, batch_size=len(queries), stop=(REPLY_END,)), queries, FORMAT,
+            retries=0, max_new_tokens=MAX_NEW_TOKENS, stats=stats, reward_range=(-1.0, 1.0))
+    return stats
+
+
+def test_untrained_replies_fail_the_budget_and_a_few_sft_steps_teach_the_format(examples, tmp_path):
+    dataset, queries = examples
+    assert len(dataset) == len(queries) == 9
+
+    untrained = _replies("smollm2-135m-instruct", queries[:3], tmp_path)  # they run to the cap: three will do
+    with pytest.raises(ExperienceModelFailure, match="train it longer"):
+        BUDGET.check(untrained, "evaluate_experience_model", MAX_NEW_TOKENS)
+
+    # 24 steps at 2e-3 taught the format on 8 examples (the earlier overfit check); LoRA on the top 8 layers
+    settings = TrainingSettings(max_steps=24, learning_rate=2e-3, batch_size=1, warmup=0, logging_steps=8,
+                                save_steps=100, lora=LoraSettings(r=16, alpha=32, top_layers=8), precision="fp32")
+    result = train_sft(dataset, "smollm2-135m-instruct", tmp_path / "experience", settings, cache_dir=tmp_path)
+    assert result.final_loss < result.train_loss  # it learned something on the way
+
+    trained = _replies(result.model_dir, queries, None)
+    assert trained.fallbacks == 0, f"unparsable replies after SFT: {trained.failed_replies}"
+    BUDGET.check(trained, "evaluate_experience_model", MAX_NEW_TOKENS)
