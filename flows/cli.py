@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from components.config import ParamsError, load_params
+from components.experience_model import ExperienceModelFailure
 from components.stages import STAGES, StageError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2  # onboarding: 1 also means "some records were quarantined"
@@ -222,7 +223,7 @@ def _deploy(args: argparse.Namespace, params) -> int:
 def _run(call) -> int:
     try:
         call()
-    except (StageError, ParamsError) as error:
+    except (StageError, ParamsError, ExperienceModelFailure) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

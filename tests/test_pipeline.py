@@ -176,6 +176,14 @@ def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_
     lines = (onboarded / "reports" / "evaluate_experience_model_predictions.jsonl").read_text().splitlines()
     assert len(lines) == 3 and {"action", "next_state", "predicted"} <= json.loads(lines[0]).keys()
 
+    # the tiny model never answers in the format (16 tokens): under a budget of 50% the stage stops and says why
+    assert fidelity["prediction"]["fallbacks"] == 3
+    set_params(onboarded, {"experience_model.max_fallback_rate": 0.5})
+    failed = run("dreamgym", "stage", "evaluate_experience_model", cwd=onboarded, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "fell back on 3 of 3 predictions (100%; experience_model.max_fallback_rate is 50%)" in failed.stderr
+    assert "train it longer" in failed.stderr and "max_new_tokens (16)" in failed.stderr
+
 
 def _train_experience_model(project, model_dir, environment, **overrides):
     set_params(project, {**tiny_experience_model(model_dir, environment), **tiny_policy(model_dir),
@@ -273,6 +281,20 @@ def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_mod
     assert [int(row.split(",")[0]) for row in rows] == [1, 2, 3, 4]  # none lost, none repeated
     # the tiny experience model never ends an episode, so every episode lasts max_turns (2): 4 iterations x 2 x 2
     assert rl["synthetic_transitions"] == 16 and rl["buffer_size"] == seeded + 16
+
+
+def test_synthetic_rl_stops_before_paying_for_an_iteration_on_a_simulator_that_never_answers(onboarded,
+                                                                                               tiny_model_dir):
+    _train_experience_model(onboarded, tiny_model_dir, "demo-kitchen",
+                            **{"data.heldout_task_fraction": 0.3, "synthetic_rl.iterations": 3,
+                               "experience_model.max_fallback_rate": 0.5})
+    run("dreamgym", "stage", "train_policy_sft", cwd=onboarded)
+    failed = run("dreamgym", "stage", "synthetic_rl", cwd=onboarded, check=False)
+    assert failed.returncode == 1 and "error: synthetic_rl: the experience model is over" in failed.stderr
+    assert "fell back on 4 of 4 predictions (100%" in failed.stderr  # iteration 1: 2 episodes x 2 turns
+    checkpoints = onboarded / "models" / "policy" / "rl" / "checkpoints"
+    assert (checkpoints / "checkpoint-1").is_dir() and not (checkpoints / "checkpoint-2").exists()
+    assert not (onboarded / "metrics" / "synthetic_rl.json").exists()
 
 
 def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefect_server, tiny_model_dir):
