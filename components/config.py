@@ -118,7 +118,9 @@ class EvaluateParams(Section):
 class WeaviateParams(Section):
     url: str | None = Field(description="null: WEAVIATE_URL from the environment (API key: WEAVIATE_API_KEY)")
     grpc_port: int
-    collection: str
+    collection: str = Field(pattern=r"^[A-Z][_0-9A-Za-z]*$", description=(
+        "prefix of the collection names: index_buffer's is <prefix>_<hash of its transitions, embedder, schema>, "
+        "each synthetic_rl run copies it to <that>_run_<hash of the run>"))
 
 
 class BufferParams(Section):

@@ -9,7 +9,8 @@ Two backends behind one interface (`ReplayBuffer`), picked by `open_replay_buffe
   directory (`metadata.parquet`, one faiss index file per environment, `buffer.json`), which the artifact store
   keeps as the run's `buffer` artifact.
 - `weaviate` (`WeaviateReplayBuffer`): a Weaviate server (weaviate-client 4.x) for buffers shared by many
-  rollout workers or too big for one machine.
+  rollout workers or too big for one machine. One collection per seed buffer identity (`seed_collection_name`),
+  a per-run copy for synthetic RL (`copy`, `run_collection_name`); saved as a reference with a content hash.
 
 What gets embedded: `render(state, action)`, i.e. the text "action: {action}\\nstate: {state}". The action
 comes first on purpose: encoders truncate (all-MiniLM-L6-v2 at 256 word pieces) and states run to thousands of
@@ -21,12 +22,14 @@ task can re-add a trajectory safely); `add` returns how many were new.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -246,6 +249,10 @@ class ReplayBuffer(ABC):
 
     @abstractmethod
     def count(self, environment: str | None = None, source: Source | None = None) -> int: ...
+
+    @abstractmethod
+    def export(self, source: Source | None = None) -> tuple[list[Retrieved], np.ndarray]:
+        """The stored records (of one source, or all) with their vectors, e.g. to merge into another buffer."""
 
     @abstractmethod
     def save(self, directory: str | Path) -> Path:
@@ -479,6 +486,79 @@ def _with_score(record: Retrieved, score: float) -> Retrieved:
 
 
 # ------------------------------------------------------------------------------------------------------ weaviate
+SCHEMA_VERSION = 1  # of a Weaviate collection (properties, named vector, distance, `render`): part of its identity
+SYNTHETIC_KEYS = "synthetic_keys.jsonl"  # beside a saved Weaviate buffer's buffer.json: the synthetic records it held
+_COLLECTION_NAME = re.compile(r"[A-Z][_0-9A-Za-z]*")  # what Weaviate accepts as a collection name
+_CANONICAL = {"step_index": int, "reward": float, "done": bool}  # the server may hand numbers back as other types
+_MODULUS = 2 ** 256
+
+
+def record_digest(record: Retrieved) -> int:
+    """sha256 of a record's stored fields (not its score), as an int."""
+    values = [_CANONICAL.get(name, str)(getattr(record, name)) for name in COLUMNS]
+    return int.from_bytes(hashlib.sha256(json.dumps(values, ensure_ascii=False).encode()).digest(), "big")
+
+
+class ContentIndex:
+    """What a Weaviate collection holds: per (trajectory_id, step_index) key, the record's source and digest.
+
+    The content hash is the sum of the records' digests modulo 2^256 (hex): independent of order and updated one
+    record at a time, so the buffer keeps it current as it adds and deletes instead of rereading the server.
+    """
+
+    def __init__(self, records: Iterable[Retrieved] = ()):
+        self.entries: dict[tuple[str, int], tuple[str, int]] = {}
+        for record in records:
+            self.add(record)
+
+    def add(self, record: Retrieved) -> None:
+        self.entries[(record.trajectory_id, int(record.step_index))] = (record.source, record_digest(record))
+
+    def remove(self, keys: Iterable[tuple[str, int]]) -> None:
+        for key in keys:
+            self.entries.pop(key, None)
+
+    def content_hash(self) -> str:
+        return f"{sum(digest for _, digest in self.entries.values()) % _MODULUS:064x}"
+
+    def keys(self, source: Source) -> list[tuple[str, int]]:
+        return sorted(key for key, (src, _) in self.entries.items() if src == source)
+
+    def manifest(self) -> dict[str, Any]:
+        """The content fields of a saved buffer's manifest."""
+        sources = Counter(src for src, _ in self.entries.values())
+        return {"count": len(self.entries), "sources": {src: sources[src] for src in BUFFER_SOURCES},
+                "content_hash": self.content_hash()}
+
+
+def unique_records(transitions: Sequence[Transition], source: Source) -> list[Retrieved]:
+    """The records `add` stores from `transitions` into an empty buffer: the first of each key."""
+    records: dict[tuple[str, int], Retrieved] = {}
+    for transition in transitions:
+        records.setdefault((transition.trajectory_id, transition.step_index), _record(transition, source))
+    return list(records.values())
+
+
+def _short_hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def seed_collection_name(prefix: str, records: Sequence[Retrieved], encoder_name: str) -> str:
+    """`prefix`_<hash of the records' content, the encoder and the schema>: one collection per buffer identity, so
+    buffers of other data or embeddings never share one, and the same inputs find theirs again."""
+    if not _COLLECTION_NAME.fullmatch(prefix):
+        raise ValueError(f"Weaviate collection prefix {prefix!r}: expected an upper-case letter, then letters, "
+                         "digits or _")
+    identity = {"content": ContentIndex(records).content_hash(), "encoder": encoder_name, "schema": SCHEMA_VERSION}
+    return f"{prefix}_{_short_hash(identity)}"
+
+
+def run_collection_name(seed_collection: str, run: str) -> str:
+    """The collection of one run's copy of `seed_collection`; `run` identifies the run (its checkpoints'
+    fingerprint), so a resumed run finds its copy and no other run shares it."""
+    return f"{seed_collection}_run_{_short_hash(run)}"
+
+
 class WeaviateReplayBuffer(ReplayBuffer):
     """The buffer in a Weaviate collection: our own vectors (no vectorizer), cosine HNSW, filtered near_vector.
 
@@ -488,13 +568,16 @@ class WeaviateReplayBuffer(ReplayBuffer):
     "cooking". Weaviate searches a filtered set smaller than the index's flat-search cutoff (40,000 objects by
     default) by brute force, i.e. exactly; beyond that HNSW is approximate, like any Weaviate query.
     The API key, if any, comes from the `WEAVIATE_API_KEY` environment variable, never from params.
+
+    Connecting reads every object's fields once (not the vectors) into a `ContentIndex`; adds and deletes through
+    this object keep it current, so `save` can write the content hash without reading the collection again.
     """
 
     backend = "weaviate"
     VECTOR = "state_action"  # the collection's one named vector: embedding of render(state, action)
 
     def __init__(self, encoder: Encoder, *, url: str | None, collection: str, grpc_port: int,
-                 import_batch_size: int = 200):
+                 import_batch_size: int = 200, create: bool = True):
         super().__init__(encoder)
         import weaviate
         from weaviate.classes.init import Auth
@@ -513,22 +596,27 @@ class WeaviateReplayBuffer(ReplayBuffer):
         self.url = f"{parsed.scheme}://{parsed.hostname}{port}"
         self.collection_name, self.grpc_port = collection, grpc_port
         self.import_batch_size = import_batch_size
+        self._lock = threading.Lock()  # rollout threads may add while another saves
         self.client = weaviate.connect_to_custom(
             http_host=parsed.hostname, http_port=parsed.port or (443 if secure else 80), http_secure=secure,
             grpc_host=parsed.hostname, grpc_port=grpc_port, grpc_secure=secure,
             auth_credentials=Auth.api_key(api_key) if api_key else None,
         )
         try:
-            self.collection = self._ensure_collection()
+            self.collection = self._ensure_collection(create)
+            self._index = ContentIndex(record for record, _ in self._objects(include_vector=False))
         except BaseException:
             self.client.close()
             raise
 
-    def _ensure_collection(self) -> Any:
+    def _ensure_collection(self, create: bool) -> Any:
         from weaviate.classes.config import Configure, DataType, Property, Tokenization, VectorDistances
 
         if self.client.collections.exists(self.collection_name):
             return self.client.collections.get(self.collection_name)
+        if not create:
+            raise ValueError(f"Weaviate collection {self.collection_name!r} does not exist on {self.url}: rerun the "
+                             "stage that built it (index_buffer for the seed buffer, synthetic_rl for its copy)")
 
         def key(name: str) -> Property:  # filterable, matched whole
             return Property(name=name, data_type=DataType.TEXT, tokenization=Tokenization.FIELD,
@@ -559,6 +647,15 @@ class WeaviateReplayBuffer(ReplayBuffer):
 
         return generate_uuid5(f"{trajectory_id}/{step_index}")
 
+    def _objects(self, include_vector: bool) -> Iterator[tuple[Retrieved, list[float] | None]]:
+        """Every stored record (with its vector when asked), in the server's order."""
+        for obj in self.collection.iterator(include_vector=include_vector, return_properties=list(COLUMNS),
+                                            cache_size=self.import_batch_size):
+            properties = obj.properties
+            record = Retrieved(**{name: _CANONICAL.get(name, str)("" if properties.get(name) is None else
+                                                                   properties[name]) for name in COLUMNS})
+            yield record, (obj.vector[self.VECTOR] if include_vector else None)
+
     def _stored(self, keys: set[tuple[str, int]]) -> set[tuple[str, int]]:
         from weaviate.classes.query import Filter
 
@@ -581,7 +678,23 @@ class WeaviateReplayBuffer(ReplayBuffer):
         if failed:
             raise RuntimeError(f"Weaviate rejected {len(failed)} of {len(records)} transitions; first: "
                                f"{failed[0].message}")
+        with self._lock:
+            for record in records:
+                self._index.add(record)
         return len(records)
+
+    def _delete(self, keys: Sequence[tuple[str, int]]) -> None:
+        from weaviate.classes.query import Filter
+
+        for start in range(0, len(keys), 500):  # bounded filters; the server caps a delete at 10,000 by default
+            chunk = keys[start:start + 500]
+            result = self.collection.data.delete_many(
+                where=Filter.by_id().contains_any([self._uuid(*key) for key in chunk]))
+            if result.failed:
+                raise RuntimeError(f"Weaviate failed to delete {result.failed} of {len(chunk)} transitions from "
+                                   f"{self.collection_name!r}")
+            with self._lock:
+                self._index.remove(chunk)
 
     def search(self, vectors: np.ndarray, *, environment: str, k: int,
                exclude_trajectories: Sequence[str | None] | None = None) -> list[list[Retrieved]]:
@@ -614,29 +727,131 @@ class WeaviateReplayBuffer(ReplayBuffer):
             where = condition if where is None else where & condition
         return self.collection.aggregate.over_all(filters=where, total_count=True).total_count or 0
 
+    def content_hash(self) -> str:
+        """The content hash of what the collection holds (`ContentIndex`)."""
+        with self._lock:
+            return self._index.content_hash()
+
+    def export(self, source: Source | None = None) -> tuple[list[Retrieved], np.ndarray]:
+        """The stored records (of one source, or all) with their vectors, by (environment, trajectory, step)."""
+        found = sorted(((record, vector) for record, vector in self._objects(include_vector=True)
+                        if source in (None, record.source)),
+                       key=lambda pair: (pair[0].environment, pair[0].trajectory_id, pair[0].step_index))
+        vectors = np.array([vector for _, vector in found], dtype=np.float32)
+        return [record for record, _ in found], vectors if found else np.zeros((0, 0), dtype=np.float32)
+
+    def copy(self, collection: str) -> WeaviateReplayBuffer:
+        """A buffer on `collection` holding this one's records with their vectors; this one is only read.
+
+        An existing `collection` is completed, not emptied: a crash may have cut the copy short, and a resumed run's
+        own records (other keys) stay for `restore` to keep or drop.
+        """
+        if collection == self.collection_name:
+            raise ValueError(f"cannot copy Weaviate collection {collection!r} onto itself")
+        target = WeaviateReplayBuffer(self.encoder, url=self.url, collection=collection, grpc_port=self.grpc_port,
+                                      import_batch_size=self.import_batch_size)
+        try:
+            with self._lock:
+                wanted = {key for key, entry in self._index.entries.items()
+                          if target._index.entries.get(key) != entry}
+            if wanted:
+                pairs = [(record, vector) for record, vector in self._objects(include_vector=True)
+                         if (record.trajectory_id, record.step_index) in wanted]
+                target._add_fresh([record for record, _ in pairs],  # same uuid5: a differing record is replaced
+                                  np.array([vector for _, vector in pairs], dtype=np.float32))
+        except BaseException:
+            target.close()
+            raise
+        return target
+
+    def restore(self, directory: str | Path | None) -> None:
+        """Bring the collection back to what `save` wrote to `directory` by deleting the synthetic records added
+        since (`None`: every synthetic record); fails if records of that save are gone from the server."""
+        keep: set[tuple[str, int]] = set()
+        if directory is not None:
+            lines = (Path(directory) / SYNTHETIC_KEYS).read_text(encoding="utf-8").splitlines()
+            keep = {(trajectory_id, step_index) for trajectory_id, step_index in map(json.loads, filter(None, lines))}
+        with self._lock:
+            extra = [key for key, (source, _) in self._index.entries.items()
+                     if source == "synthetic" and key not in keep]
+        self._delete(extra)
+        if directory is None:
+            return
+        expected, found = _read_manifest(Path(directory))["content_hash"], self.content_hash()
+        if found != expected:
+            with self._lock:
+                gone = len(keep - set(self._index.entries))
+            raise ValueError(f"{directory}: cannot restore Weaviate collection {self.collection_name!r} to this save: "
+                             f"content hash {found}, the save's {expected} ({gone} of its {len(keep)} synthetic "
+                             "records are no longer on the server); delete the checkpoints to start the run afresh")
+
     def save(self, directory: str | Path) -> Path:
-        """The data stays in the server: save a reference (URL without credentials, collection, count)."""
+        """The data stays in the server: save a reference (URL without credentials, collection) with the content's
+        count and hash, and the synthetic records' keys for `restore`."""
         target = Path(directory)
+        if self.count() != len(self._index.entries):  # another client wrote to the collection: hash what it holds
+            index = ContentIndex(record for record, _ in self._objects(include_vector=False))
+            with self._lock:
+                self._index = index
+        with self._lock:
+            content, synthetic = self._index.manifest(), self._index.keys("synthetic")
         with atomic_directory(target, replace=True) as tmp:
             _write_manifest(tmp, self.backend, encoder=self.encoder.name, url=self.url, grpc_port=self.grpc_port,
-                            collection=self.collection_name, count=self.count())
+                            collection=self.collection_name, schema=SCHEMA_VERSION, **content)
+            (tmp / SYNTHETIC_KEYS).write_text("".join(json.dumps(list(key)) + "\n" for key in synthetic),
+                                              encoding="utf-8")
         return target
 
     @classmethod
     def load(cls, directory: str | Path, encoder: Encoder) -> WeaviateReplayBuffer:
+        """Connect to the saved collection; fails unless it still holds exactly the saved content."""
         directory = Path(directory)
         manifest = _read_manifest(directory)
         if manifest["backend"] != cls.backend:
             raise ValueError(f"{directory} holds a {manifest['backend']!r} buffer, not a weaviate one")
         _check_encoder(manifest["encoder"], encoder, directory)
-        return cls(encoder, url=manifest["url"], collection=manifest["collection"], grpc_port=manifest["grpc_port"])
+        fix = "rerun index_buffer (for a synthetic_rl replay_buffer: synthetic_rl), e.g. `dvc repro -f index_buffer`"
+        if manifest.get("schema") != SCHEMA_VERSION or "content_hash" not in manifest:
+            raise ValueError(f"{directory}: saved with Weaviate schema {manifest.get('schema')!r} and no content "
+                             f"hash, this code reads schema {SCHEMA_VERSION}; {fix}")
+        buffer = cls(encoder, url=manifest["url"], collection=manifest["collection"], grpc_port=manifest["grpc_port"],
+                     create=False)
+        count, found = buffer.count(), buffer.content_hash()
+        if (count, found) != (manifest["count"], manifest["content_hash"]):
+            buffer.close()
+            raise ValueError(f"{directory}: Weaviate collection {manifest['collection']!r} at {manifest['url']} "
+                             f"changed since it was saved: expected {manifest['count']} records with content hash "
+                             f"{manifest['content_hash']}, found {count} with {found}; {fix}")
+        return buffer
 
     def drop(self) -> None:
         """Delete the collection and everything in it (tests, rebuilds)."""
         self.client.collections.delete(self.collection_name)
+        with self._lock:
+            self._index = ContentIndex()
 
     def close(self) -> None:
         self.client.close()
+
+
+def open_seed_buffer(encoder: Encoder, transitions: Sequence[Transition], *, url: str | None, collection: str,
+                     grpc_port: int, import_batch_size: int = 200) -> WeaviateReplayBuffer:
+    """The Weaviate buffer for these real seed transitions: collection `seed_collection_name(collection, ...)`.
+
+    Records in it that these transitions would not store (a different record under the same key) are deleted, so
+    `add`-ing the transitions afterwards leaves it holding exactly them; an earlier complete index adds nothing and
+    embeds nothing, a crashed one only what it lacks.
+    """
+    records = unique_records(transitions, "real")
+    buffer = WeaviateReplayBuffer(encoder, url=url, collection=seed_collection_name(collection, records, encoder.name),
+                                  grpc_port=grpc_port, import_batch_size=import_batch_size)
+    try:
+        wanted = ContentIndex(records).entries
+        buffer._delete([key for key, entry in buffer._index.entries.items() if wanted.get(key) != entry])
+    except BaseException:
+        buffer.close()
+        raise
+    return buffer
 
 
 # ------------------------------------------------------------------------------------------------------ factory

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from components.contract import Task
 from components.environments.synthetic import add_to_buffer
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
-from components.replay_buffer import ReplayBuffer, load_replay_buffer
+from components.replay_buffer import ReplayBuffer, WeaviateReplayBuffer, load_replay_buffer
 from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.sft import LoraSettings
 
@@ -157,7 +157,8 @@ def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[
                   curriculum: Curriculum) -> None:
     """Next to a checkpoint: the replay buffer, the curriculum and the iteration log as of that iteration. The log
     is written last and atomically: its presence marks the checkpoint complete. (A Weaviate buffer saves a
-    reference only: its server keeps the synthetic transitions added after the checkpoint.)"""
+    reference with its content hash and synthetic keys; its server keeps what is added after the checkpoint until
+    a resume restores it.)"""
     if buffer is not None:
         buffer.save(checkpoint / BUFFER_DIR)
     (checkpoint / CURRICULUM_FILE).write_text(json.dumps(curriculum.state_dict()), encoding="utf-8")
@@ -200,14 +201,16 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Cur
 
     In place, because the synthetic environments retrieve from the very buffer object the caller passed: the run
     must continue with the synthetic transitions it had made. A fresh buffer (seed transitions only) gets the
-    checkpoint's synthetic transitions added with their stored vectors; a server-side (Weaviate) buffer already
-    holds them.
+    checkpoint's synthetic transitions added with their stored vectors; a server-side (Weaviate) buffer, the run's
+    own copy, already holds them and drops the ones a killed run added after the checkpoint.
     """
     log = read_iteration_log(checkpoint) or []
     if buffer is not None and buffer.backend == "embedded":
         saved = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
         records, vectors = saved.export(source="synthetic")
         buffer.add_vectors(records, vectors)
+    elif isinstance(buffer, WeaviateReplayBuffer):
+        buffer.restore(checkpoint / BUFFER_DIR)
     curriculum.load_state_dict(json.loads((checkpoint / CURRICULUM_FILE).read_text(encoding="utf-8")))
     return log
 
@@ -281,4 +284,6 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
     if resume is not None:
         rows = load_sidecars(resume, buffer, curriculum)
         log.info("resuming from %s (%d iterations done)", resume, len(rows))
+    elif isinstance(buffer, WeaviateReplayBuffer):
+        buffer.restore(None)  # synthetic records of a run killed before its first checkpoint
     return checkpoints, resume, rows

@@ -126,7 +126,7 @@ def evaluate(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def index_buffer(params: Params, root: str | Path = ".", log=print) -> dict[str, Any]:
     """Embed the real seed transitions of training tasks into the replay buffer and save it (buffer.out_dir)."""
-    from components.replay_buffer import SentenceEncoder, open_replay_buffer
+    from components.replay_buffer import SentenceEncoder, open_replay_buffer, open_seed_buffer
 
     root = Path(root)
     trajectories = read_trajectories(root / params.data.dir / TRAJECTORIES)
@@ -134,8 +134,10 @@ def index_buffer(params: Params, root: str | Path = ".", log=print) -> dict[str,
     train = [t for t in trajectories if not is_heldout_task(t.task.task_id, fraction)]
     pending = [transition for trajectory in train for transition in transitions(trajectory)]
     encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
-    settings = params.buffer.weaviate.model_dump() if params.buffer.backend == "weaviate" else {}
-    buffer = open_replay_buffer(params.buffer.backend, encoder, **settings)
+    if params.buffer.backend == "weaviate":  # a collection named by these transitions, the embedder and the schema
+        buffer = open_seed_buffer(encoder, pending, **params.buffer.weaviate.model_dump())
+    else:
+        buffer = open_replay_buffer(params.buffer.backend, encoder)
     start, chunk = time.monotonic(), 256
     for done in range(0, len(pending), chunk):
         buffer.add(pending[done:done + chunk], source="real")
@@ -478,8 +480,7 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     if len(tasks) < settings.tasks_per_iteration:
         raise StageError(f"{len(tasks)} training tasks in {params.policy.environments} with seed episodes; "
                          f"synthetic_rl.tasks_per_iteration is {settings.tasks_per_iteration}")
-    buffer = _saved_buffer(params, root)  # a copy in memory: synthetic experience never alters index_buffer's output
-    envs, stats = _synthetic_environments(params, root, buffer, params.policy.environments)
+    buffer = _saved_buffer(params, root)  # embedded: a copy in memory; weaviate: the seed collection, copied below
     curriculum, generator = _curriculum(params, root, tasks, buffer)
     if settings.algorithm == "grpo":
         from components.grpo import train_grpo as train
@@ -489,6 +490,16 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     experience = params.experience_model
     simulator = _identity(root / experience.out_dir / "model", root / params.buffer.out_dir, experience.prompt,
                           experience.inference, params.models.experience)
+    if buffer.backend == "weaviate":
+        # Synthetic experience never alters index_buffer's collection: the run adds to its own copy, named by what
+        # resumes its checkpoints (and its out_dir), so a resumed run finds it again and no other run shares it.
+        from components.replay_buffer import run_collection_name
+        from components.rl import settings_fingerprint
+
+        run = settings_fingerprint(_rl_settings(params), warm_start, curriculum, simulator)
+        seed, buffer = buffer, buffer.copy(run_collection_name(buffer.collection_name, f"{run}/{settings.out_dir}"))
+        seed.close()
+    envs, stats = _synthetic_environments(params, root, buffer, params.policy.environments)
     budget = _fallback_budget(params)
 
     def next_batch() -> SyntheticBatch:
@@ -528,6 +539,7 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
             "![learning curves](synthetic_rl.png)\n\n"
             + markdown_table(shown, [[row.get(key) for key in shown] for row in rows]))
     write_stage_outputs("synthetic_rl", metrics, text, root)
+    buffer.close()
     return metrics
 
 
@@ -729,9 +741,8 @@ def _replay_synthetic_episodes(params: Params, root: Path,
     if not (root / buffer_dir).is_dir():
         return {}, [], ""
     buffer = _saved_buffer(params, root, buffer_dir)
-    if buffer.backend != "embedded":
-        return {"skipped": f"the {buffer.backend} buffer keeps its records on its server"}, [], ""
     records, _ = buffer.export(source="synthetic")
+    buffer.close()
     tasks = {t.task.task_id: t.task for t in read_trajectories(root / params.data.dir / TRAJECTORIES)}
     metrics: dict[str, Any] = {}
     rows, replays = [], []

@@ -10,8 +10,11 @@ the real ones. One test uses the real packaged all-MiniLM-L6-v2 to show a paraph
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +22,19 @@ import pytest
 
 from components.contract import Step, Task, Trajectory, transitions
 from components.replay_buffer import (
+    SYNTHETIC_KEYS,
+    ContentIndex,
     FaissReplayBuffer,
     ReplayBuffer,
     SentenceEncoder,
+    WeaviateReplayBuffer,
     load_replay_buffer,
     open_replay_buffer,
+    open_seed_buffer,
     render,
+    run_collection_name,
+    seed_collection_name,
+    unique_records,
 )
 from tests.hashing_encoder import HashingEncoder
 
@@ -257,3 +267,176 @@ def test_minilm_retrieves_a_paraphrase(make_buffer, minilm: SentenceEncoder):
     vectors = minilm.encode(["one", "two words"])
     assert vectors.dtype == np.float32 and vectors.shape == (2, 384)
     assert np.linalg.norm(vectors, axis=1) == pytest.approx(1.0, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------ weaviate: identities and copies
+def records_of(*trajectories: Trajectory, source: str = "real") -> list:
+    return unique_records([t for traj in trajectories for t in transitions(traj)], source)
+
+
+def test_seed_collection_names_follow_the_buffer_identity():
+    name = seed_collection_name("DreamGymTransitions", records_of(KITCHEN, GARDEN), "enc")
+    assert re.fullmatch(r"DreamGymTransitions_[0-9a-f]{16}", name)
+    # Equal data, whatever its order or repeats, gets the same collection ...
+    assert seed_collection_name("DreamGymTransitions", records_of(GARDEN, KITCHEN, GARDEN), "enc") == name
+    # ... other data, another embedder or prefix another one.
+    changed = trajectory("tw-2", "textworld", [("garden with a shed", "open shed"),
+                                               ("open shed with a shovel", "take spade")])
+    others = [seed_collection_name("DreamGymTransitions", records_of(KITCHEN, changed), "enc"),
+              seed_collection_name("DreamGymTransitions", records_of(KITCHEN), "enc"),
+              seed_collection_name("DreamGymTransitions", records_of(KITCHEN, GARDEN), "other-enc"),
+              seed_collection_name("Other", records_of(KITCHEN, GARDEN), "enc")]
+    assert len({name, *others}) == 5
+    with pytest.raises(ValueError, match="upper-case"):
+        seed_collection_name("dreamgym-transitions", records_of(KITCHEN), "enc")
+
+
+def test_run_collection_names_are_one_per_run():
+    seed = seed_collection_name("DreamGymTransitions", records_of(KITCHEN), "enc")
+    run = run_collection_name(seed, "fingerprint-a/models/policy/synthetic_rl")
+    assert run.startswith(f"{seed}_run_") and re.fullmatch(r"[A-Z][_0-9A-Za-z]*", run)
+    assert run_collection_name(seed, "fingerprint-a/models/policy/synthetic_rl") == run
+    assert run_collection_name(seed, "fingerprint-b/models/policy/synthetic_rl") != run
+
+
+def test_content_index_gives_the_manifest_content():
+    real, synthetic = records_of(KITCHEN, GARDEN), records_of(
+        trajectory("syn-1", "textworld", [("a", "b"), ("c", "d")], source="synthetic"), source="synthetic")
+    index = ContentIndex(real + synthetic)
+    manifest = index.manifest()
+    assert manifest["count"] == 9 and manifest["sources"] == {"real": 7, "synthetic": 2}
+    assert manifest["content_hash"] == ContentIndex(list(reversed(real + synthetic))).content_hash()  # any order
+    assert index.keys("synthetic") == [("syn-1", 0), ("syn-1", 1)]
+    # Kept one record at a time: removing the synthetic records gives the hash of the real ones alone.
+    index.remove(index.keys("synthetic"))
+    assert index.content_hash() == ContentIndex(real).content_hash() != manifest["content_hash"]
+    # Any field counts, and the types the server hands back do not.
+    assert ContentIndex([replace(real[0], next_state="elsewhere")] + real[1:]).content_hash() != index.content_hash()
+    assert ContentIndex([replace(real[0], reward=0, step_index=np.int64(0))] + real[1:]).content_hash() == \
+        index.content_hash()
+    assert ContentIndex().manifest() == {"count": 0, "sources": {"real": 0, "synthetic": 0},
+                                         "content_hash": "0" * 64}
+
+
+external_weaviate = pytest.mark.skipif(not WEAVIATE_URL, reason=NO_WEAVIATE)
+
+
+@pytest.fixture
+def weaviate_seed():
+    """weaviate_seed(*trajectories) -> a seed buffer as index_buffer builds it, under a throwaway prefix; every
+    collection a test opens (seed, copies) is dropped afterwards."""
+    prefix, opened = f"DreamGymTest{uuid.uuid4().hex}", []
+
+    def make(*trajectories: Trajectory) -> WeaviateReplayBuffer:
+        pending = [t for traj in trajectories for t in transitions(traj)]
+        buffer = open_seed_buffer(HashingEncoder(), pending, url=WEAVIATE_URL, collection=prefix,
+                                  grpc_port=int(os.environ.get("WEAVIATE_GRPC_PORT", "50051")))
+        opened.append(buffer)
+        buffer.add(pending, "real")
+        return buffer
+
+    yield make, opened
+    dropped = set()
+    for buffer in opened:  # several buffers may share a collection: drop each once
+        if buffer.collection_name not in dropped:
+            buffer.drop()
+            dropped.add(buffer.collection_name)
+        buffer.close()
+
+
+SYNTHETIC = trajectory("syn-1", "textworld", [("a dark cellar", "light lantern"), ("a lit cellar", "go up")],
+                       source="synthetic")
+LATER = trajectory("syn-2", "textworld", [("an attic", "open window")], source="synthetic")
+
+
+@pytest.mark.external
+@external_weaviate
+def test_weaviate_seed_collections_are_named_by_identity(weaviate_seed):
+    make, _ = weaviate_seed
+    first = make(KITCHEN, GARDEN)
+    again = make(GARDEN, KITCHEN)  # re-indexing the same data: the same collection, nothing added twice
+    other = make(KITCHEN, WEB)
+    assert again.collection_name == first.collection_name != other.collection_name
+    assert len(again) == len(first) == 7 and len(other) == 15
+    assert again.content_hash() == first.content_hash() == ContentIndex(records_of(KITCHEN, GARDEN)).content_hash()
+
+
+@pytest.mark.external
+@external_weaviate
+def test_weaviate_synthetic_copy_leaves_the_seed_untouched(weaviate_seed, tmp_path: Path):
+    make, opened = weaviate_seed
+    seed = make(KITCHEN, GARDEN)
+    seed.save(tmp_path / "seed")
+    before = (len(seed), seed.content_hash())
+    copy = seed.copy(run_collection_name(seed.collection_name, "run-1"))
+    opened.append(copy)
+    assert copy.content_hash() == seed.content_hash() and len(copy) == 7
+    assert copy.add(list(transitions(SYNTHETIC)), "synthetic") == 2
+    assert (len(copy), copy.count(source="synthetic")) == (9, 2)
+    assert (len(seed), seed.content_hash()) == before
+    reloaded = load_replay_buffer(tmp_path / "seed", seed.encoder)  # checks the server against the manifest
+    reloaded.close()
+    # The copy's retrieval sees the seed's transitions with the seed's vectors.
+    state, action = KITCHEN.steps[1].state, KITCHEN.steps[1].action
+    assert [key(r) for r in copy.retrieve(state, action, environment="textworld", k=3)] == \
+        [key(r) for r in seed.retrieve(state, action, environment="textworld", k=3)]
+
+
+@pytest.mark.external
+@external_weaviate
+def test_weaviate_save_records_the_content_hash(weaviate_seed, tmp_path: Path):
+    make, _ = weaviate_seed
+    buffer = make(KITCHEN)
+    buffer.save(tmp_path / "first")
+    first = json.loads((tmp_path / "first" / "buffer.json").read_text())
+    assert (first["collection"], first["count"], first["sources"]) == (buffer.collection_name, 5,
+                                                                      {"real": 5, "synthetic": 0})
+    assert first["content_hash"] == ContentIndex(records_of(KITCHEN)).content_hash()
+    buffer.add(list(transitions(SYNTHETIC)), "synthetic")
+    buffer.save(tmp_path / "second")
+    second = json.loads((tmp_path / "second" / "buffer.json").read_text())
+    assert second["count"] == 7 and second["content_hash"] != first["content_hash"]
+    assert (tmp_path / "second" / SYNTHETIC_KEYS).read_text() == '["syn-1", 0]\n["syn-1", 1]\n'
+    with pytest.raises(ValueError, match=f"{buffer.collection_name}.*{first['content_hash']}.*"
+                                         f"{second['content_hash']}.*index_buffer"):
+        load_replay_buffer(tmp_path / "first", buffer.encoder)
+
+
+@pytest.mark.external
+@external_weaviate
+def test_weaviate_export_returns_the_synthetic_records(weaviate_seed):
+    make, _ = weaviate_seed
+    buffer = make(KITCHEN, GARDEN)
+    buffer.add(list(transitions(SYNTHETIC)), "synthetic")
+    records, vectors = buffer.export(source="synthetic")
+    assert [(key(r), r.source, r.origin, r.action) for r in records] == [
+        (("syn-1", 0), "synthetic", "synthetic", "light lantern"), (("syn-1", 1), "synthetic", "synthetic", "go up")]
+    expected = buffer.encoder.encode([render(r.state, r.action) for r in records])
+    np.testing.assert_allclose(vectors, expected, atol=1e-6)
+    everything, all_vectors = buffer.export()
+    assert len(everything) == len(all_vectors) == 9
+
+
+@pytest.mark.external
+@external_weaviate
+def test_weaviate_restore_drops_records_added_after_the_checkpoint(weaviate_seed, tmp_path: Path):
+    make, opened = weaviate_seed
+    seed = make(KITCHEN)
+    copy = seed.copy(run_collection_name(seed.collection_name, "run-1"))
+    opened.append(copy)
+    copy.add(list(transitions(SYNTHETIC)), "synthetic")
+    copy.save(tmp_path / "checkpoint")
+    checkpoint_hash = copy.content_hash()
+    copy.add(list(transitions(LATER)), "synthetic")  # the killed run went on past its checkpoint
+    # A resumed process connects anew: the run's copy is found again, with the extra record.
+    resumed = seed.copy(run_collection_name(seed.collection_name, "run-1"))
+    opened.append(resumed)
+    assert resumed.collection_name == copy.collection_name and len(resumed) == 8
+    resumed.restore(tmp_path / "checkpoint")
+    assert (len(resumed), resumed.content_hash()) == (7, checkpoint_hash)
+    assert {key(r) for r in resumed.export(source="synthetic")[0]} == {("syn-1", 0), ("syn-1", 1)}
+    load_replay_buffer(tmp_path / "checkpoint", seed.encoder).close()  # the checkpoint's manifest holds again
+    resumed.restore(None)  # a fresh start: the seed's content only
+    assert resumed.content_hash() == seed.content_hash() and resumed.count(source="synthetic") == 0
+    with pytest.raises(ValueError, match="no longer on the server"):
+        resumed.restore(tmp_path / "checkpoint")
