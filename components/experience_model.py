@@ -542,8 +542,7 @@ class FallbackBudget:
                 f"experience_model.max_fallback_rate is {self.max_fallback_rate:.0%}), so those steps are 'state "
                 f"unchanged, reward 0', not a simulation.{out_of_range}{hint} First unparsable replies:"
                 f"{shown or ' (none kept: they came before a resume)'}\nWhat to do: train it longer "
-                "(experience_model.training: max_steps -1 and more epochs) until its replies parse "
-                "(reports/evaluate_experience_model.md shows the rate on held-out steps); raise "
+                "(experience_model.training: max_steps -1 and more epochs) until its replies parse; raise "
                 "experience_model.inference.max_new_tokens if replies are cut before the closing tag; allow "
                 "experience_model.inference.retries; or, knowingly, raise experience_model.max_fallback_rate")
         if problems:
