@@ -129,6 +129,23 @@ def is_lookalike(t: Any, rewarded: set[tuple[str, str]]) -> bool:
     return not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded
 
 
+def success_rewards(trajectories: Iterable[Trajectory]) -> dict[str, float]:
+    """Per environment, the lowest final reward of a successful trajectory: what a simulated episode's final reward
+    must reach to count as a win (TextWorld: 1; MiniWoB's time-discounted rewards: the slowest success seen)."""
+    lowest: dict[str, float] = {}
+    for trajectory in trajectories:
+        if trajectory.success and trajectory.steps and trajectory.steps[-1].reward > 0:
+            environment, reward = trajectory.task.environment, trajectory.steps[-1].reward
+            lowest[environment] = min(reward, lowest.get(environment, reward))
+    return lowest
+
+
+def is_success(reward: float, done: bool, success_reward: float | None) -> bool:
+    """A final step that wins: it ends the episode with at least `success_reward` (None: with any positive reward,
+    for a domain whose seed holds no success to learn the winning reward from)."""
+    return done and (reward >= success_reward if success_reward is not None else reward > 0)
+
+
 def is_heldout_task(task_id: str, fraction: float) -> bool:
     """A stable split by task: the same task lands on the same side on every machine, run and data size."""
     return zlib.crc32(task_id.encode("utf-8")) % 10_000 < fraction * 10_000

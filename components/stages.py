@@ -395,6 +395,16 @@ def _experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -
         retry_temperature=inference.retry_temperature, stats=stats, reward_range=_reward_range(params))
 
 
+def _success_rewards(params: Params, root: Path) -> dict[str, float]:
+    """Per environment, the final reward that wins in a simulated episode: the lowest of the seed's successes on
+    training tasks (held-out games only measure)."""
+    from components.contract import success_rewards
+
+    fraction = params.data.heldout_task_fraction
+    return success_rewards(t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
+                           if not is_heldout_task(t.task.task_id, fraction))
+
+
 def _reward_range(params: Params) -> tuple[float, float]:
     low, high = params.data.reward_range
     return low, high
@@ -418,9 +428,11 @@ def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list
     fmt, inference = em.PromptFormat(**experience.prompt.model_dump()), experience.inference
     backend = _experience_backend(params, root)
     stats = em.PredictionStats()
+    wins = _success_rewards(params, root)
     envs = [SyntheticEnvironment(name, backend, buffer, fmt, top_k=fmt.top_k, retries=inference.retries,
                                  stats=stats, max_history=fmt.history_length, max_new_tokens=inference.max_new_tokens,
-                                 temperature=inference.temperature, reward_range=_reward_range(params))
+                                 temperature=inference.temperature, reward_range=_reward_range(params),
+                                 success_reward=wins.get(name))
             for name in names]
     return envs, stats
 
@@ -747,7 +759,8 @@ def _replay_synthetic_episodes(params: Params, root: Path,
     metrics: dict[str, Any] = {}
     rows, replays = [], []
     for name in environments:
-        synthetic, unreplayable = episodes_from_buffer([r for r in records if r.environment == name], tasks)
+        synthetic, unreplayable = episodes_from_buffer([r for r in records if r.environment == name], tasks,
+                                                       _success_rewards(params, root).get(name))
         real = replay_in_real(real_environment(name), params.environments, synthetic)
         metrics[name] = {**outcome_agreement(synthetic, real), "unreplayable": unreplayable}
         replays += real

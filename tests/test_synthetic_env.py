@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.contract import Step, Task, Trajectory, transitions
+from components.contract import Step, Task, Trajectory, success_rewards, transitions
 from components.environments.rollout import run_episode
 from components.environments.synthetic import SyntheticEnvironment, add_to_buffer, record_trajectory
 from components.experience_model import (
@@ -49,6 +49,29 @@ def test_reset_step_done_success_and_info():
 
     env.reset(TASK)
     assert env.step("give up").info["success"] is False
+
+
+class HalfReward:
+    """Ends every episode at once with reward 0.5: a reply the real game never gives."""
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0):
+        return [format_target("The end.", 0.5, True, "it ends") for _ in prompts]
+
+
+def test_a_win_needs_the_reward_that_wins_in_the_seed():
+    won_in_seed = Trajectory("seed-1", TASK, [Step(KITCHEN, "eat meal", "You won.", 1.0, True, {})], True, 1.0,
+                             "expert")
+    lost_in_seed = Trajectory("seed-2", TASK, [Step(KITCHEN, "eat knife", "You lost.", 0.0, True, {})], False, 0.0,
+                              "random")
+    assert success_rewards([won_in_seed, lost_in_seed]) == {ENV: 1.0}
+
+    env = make_env(HalfReward(), success_reward=1.0)
+    env.reset(TASK)
+    assert env.step("eat meal").info["success"] is False  # done with 0.5: not the game's win
+    assert not record_trajectory(env.episode).success
+    lenient = make_env(HalfReward())  # a domain whose seed has no success: any positive final reward
+    lenient.reset(TASK)
+    assert lenient.step("eat meal").info["success"] is True
 
 
 def test_initial_state_comes_from_the_task_or_the_mapping_or_fails_clearly():

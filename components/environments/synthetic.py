@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from components.contract import Step, Task, Trajectory, transitions
+from components.contract import Step, Task, Trajectory, is_success, transitions
 from components.environments.base import Environment, Observation, StepResult
 from components.experience_model import (
     ExperienceModelBackend,
@@ -40,6 +40,7 @@ class SyntheticEpisode:
     trajectory_id: str
     steps: list[Step] = field(default_factory=list)
     done: bool = False
+    success: bool = False
 
     def history(self, max_history: int) -> tuple[tuple[str, str], ...]:
         """The last `max_history` (state, action) pairs, oldest first."""
@@ -62,6 +63,7 @@ class SyntheticEnvironment(Environment):
         max_new_tokens: int = 512,
         temperature: float = 0.0,
         reward_range: tuple[float, float] | None = None,
+        success_reward: float | None = None,
         initial_states: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name  # type: ignore[misc]  # per instance: the real environment this one imitates
@@ -69,6 +71,7 @@ class SyntheticEnvironment(Environment):
         self.top_k, self.retries, self.max_history = top_k, retries, max_history
         self.stats = stats if stats is not None else PredictionStats()
         self.max_new_tokens, self.temperature, self.reward_range = max_new_tokens, temperature, reward_range
+        self.success_reward = success_reward  # a final reward that wins (contract.success_rewards); None: any > 0
         self.initial_states = dict(initial_states or {})
         self.episode: SyntheticEpisode | None = None
 
@@ -117,7 +120,7 @@ class SyntheticEnvironment(Environment):
                                       prediction.done, dict(info)))
             episode.state, episode.done = prediction.next_state, prediction.done
             if prediction.done:
-                info["success"] = prediction.reward > 0
+                episode.success = info["success"] = is_success(prediction.reward, True, self.success_reward)
             results.append(StepResult(Observation(prediction.next_state), prediction.reward, prediction.done, info))
         return results
 
@@ -145,16 +148,17 @@ def first_state_tasks(trajectories: Sequence[Trajectory]) -> list[Task]:
 
 
 def record_trajectory(episode: SyntheticEpisode) -> Trajectory:
-    """A synthetic episode as a contract trajectory; success is a positive reward on a final step."""
-    success = episode.done and bool(episode.steps) and episode.steps[-1].reward > 0
-    return Trajectory(episode.trajectory_id, episode.task, list(episode.steps), success,
+    """A synthetic episode as a contract trajectory, a success when its final step won."""
+    return Trajectory(episode.trajectory_id, episode.task, list(episode.steps), episode.done and episode.success,
                       sum(s.reward for s in episode.steps), "synthetic")
 
 
-def episodes_from_buffer(records: Sequence[Retrieved], tasks: Mapping[str, Task]) -> tuple[list[Trajectory], int]:
+def episodes_from_buffer(records: Sequence[Retrieved], tasks: Mapping[str, Task],
+                         success_reward: float | None = None) -> tuple[list[Trajectory], int]:
     """The synthetic episodes stored in a replay buffer (its records of one source), rebuilt as trajectories of the
     real `tasks` they played (by task id), in order of trajectory id; also how many episodes played a task not in
-    `tasks` (a curriculum variation: no real game to replay it in)."""
+    `tasks` (a curriculum variation: no real game to replay it in). A win is judged as the synthetic environment
+    judged it (`success_reward`)."""
     by_episode: dict[str, list[Retrieved]] = defaultdict(list)
     for record in records:
         by_episode[record.trajectory_id].append(record)
@@ -166,7 +170,8 @@ def episodes_from_buffer(records: Sequence[Retrieved], tasks: Mapping[str, Task]
             unreplayable += 1
             continue
         steps = [Step(r.state, r.action, r.next_state, r.reward, r.done, {}) for r in stored]
-        episode = SyntheticEpisode(task, stored[-1].next_state, trajectory_id, steps, done=stored[-1].done)
+        episode = SyntheticEpisode(task, stored[-1].next_state, trajectory_id, steps, done=stored[-1].done,
+                                   success=is_success(stored[-1].reward, stored[-1].done, success_reward))
         trajectories.append(record_trajectory(episode))
     return trajectories, unreplayable
 
