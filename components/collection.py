@@ -5,28 +5,51 @@ skipping expert's failures look like wins up to the last turn, so rewards cannot
 Deterministic: task lists, policies' random choices and trajectory ids all derive from params. Resumable: each
 finished episode is appended to a progress file first, so a crash loses at most the episode in flight; the
 progress is resumed only by the same collection (same params, same collection and environment code).
+
+An episode an environment failure ended (a hung or dead engine or browser, `base.env_failure`) is not the policy's
+and never becomes seed data: it is played again, the same episode (same seeded choices) in a restarted engine, up to
+ENV_FAILURE_ATTEMPTS times in all, then left out. The run's failed plays are kept aside, each with its reason, in
+`env_failures/<environment>.jsonl` beside the collected files, which onboarding (`<out_dir>/*.jsonl`) never reads.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from components.contract import Trajectory, write_trajectories
+from components.environments.base import check_not_all_failed, env_failure
 from components.environments.registry import has_adapter, real_environment
 from components.environments.rollout import run_episode
 from components.files import discard_unless_stamped, sha256_file
 
 SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "skipping_expert": "policy", "random": "random"}
+ENV_FAILURE_ATTEMPTS = 3  # plays of one episode that environment failures may end before it is left out
+ENV_FAILURES_DIR = "env_failures"
+
+
+@dataclass(frozen=True)
+class Collection:
+    trajectories: list[Trajectory]  # collected, in plan order (out_path)
+    env_failures: list[Trajectory]  # every play an environment failure ended, retried or not (env_failures_path)
+    left_out: list[str]  # ids of the planned episodes environment failures ended every time: not collected
+
+
+def env_failures_path(out_path: Path) -> Path:
+    """Where the plays environment failures ended are kept: a folder beside the collected files."""
+    return out_path.parent / ENV_FAILURES_DIR / out_path.name
 
 
 def collect_environment(params, environment: str, out_path: Path, progress_path: Path,
-                        log: Callable[[str], None] = print) -> list[Trajectory]:
-    """Collect the configured episode mix on `environment`'s training tasks; write them to `out_path`."""
+                        log: Callable[[str], None] = print) -> Collection:
+    """Collect the configured episode mix on `environment`'s training tasks; write them to `out_path`, and the plays
+    environment failures ended to `env_failures_path(out_path)` (none: no file)."""
     kind = real_environment(environment)
     settings = params.collect_seed
     tasks = kind.make_tasks(params.environments, "train", settings.train_tasks, params.seed)
@@ -36,6 +59,8 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
         mix["skipping_expert"] = 0
     plan = [(task, policy, repeat) for task in tasks for policy, count in mix.items() for repeat in range(count)]
     done = _load_progress(progress_path, _fingerprint(params))
+    failures: list[Trajectory] = []
+    left_out: list[str] = []
     start, fresh = time.monotonic(), 0
     env = kind.open(params.environments)
     try:
@@ -44,14 +69,24 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
                 trajectory_id = f"{task.task_id}-{policy_name}-{repeat}"
                 if trajectory_id in done:
                     continue
-                # Seeded per episode, not per run: a resumed run makes the same choices as an unbroken one.
-                rng = random.Random(zlib.crc32(f"{params.seed}/{trajectory_id}".encode()))
-                policy = {"expert": lambda: kind.expert(env),
-                          "noisy_expert": lambda: kind.noisy_expert(env, settings.noisy_epsilon, rng),
-                          "skipping_expert": lambda: kind.skipping_expert(env, rng),
-                          "random": lambda: kind.random(env, rng)}[policy_name]()
-                trajectory = run_episode(env, task, policy, max_steps=kind.max_steps(params.environments),
-                                         trajectory_id=trajectory_id, source=SOURCE_OF[policy_name])
+                for attempt in range(1, ENV_FAILURE_ATTEMPTS + 1):
+                    # Seeded per episode, not per run or attempt: a resumed run, or a retry after an environment
+                    # failure, makes the same choices as an unbroken run.
+                    rng = random.Random(zlib.crc32(f"{params.seed}/{trajectory_id}".encode()))
+                    policy = {"expert": lambda: kind.expert(env),
+                              "noisy_expert": lambda: kind.noisy_expert(env, settings.noisy_epsilon, rng),
+                              "skipping_expert": lambda: kind.skipping_expert(env, rng),
+                              "random": lambda: kind.random(env, rng)}[policy_name]()
+                    trajectory = run_episode(env, task, policy, max_steps=kind.max_steps(params.environments),
+                                             trajectory_id=trajectory_id, source=SOURCE_OF[policy_name])
+                    if (why := env_failure(trajectory)) is None:
+                        break
+                    failures.append(trajectory)
+                    log(f"[collect_seed {environment}] {trajectory_id}: environment failure ({why}); "
+                        + ("playing it again" if attempt < ENV_FAILURE_ATTEMPTS else f"left out after {attempt}"))
+                else:
+                    left_out.append(trajectory_id)
+                    continue
                 progress.write(json.dumps(trajectory.to_dict()) + "\n")
                 progress.flush()
                 done[trajectory_id] = trajectory
@@ -61,11 +96,19 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
                 log(f"[collect_seed {environment}] {number}/{len(plan)} episodes, {wins} successes, ETA {eta:.0f}s")
     finally:
         env.close()
-    collected = [done[f"{task.task_id}-{policy}-{repeat}"] for task, policy, repeat in plan]
+    kept_aside = env_failures_path(out_path)
+    if failures:
+        write_trajectories(failures, kept_aside)
+    else:  # an earlier collection's
+        kept_aside.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            kept_aside.parent.rmdir()  # only when empty
+    collected = [done[i] for i in (f"{task.task_id}-{policy}-{repeat}" for task, policy, repeat in plan) if i in done]
+    check_not_all_failed(collected + failures, f"collect_seed {environment}")  # raises with the progress kept
     write_trajectories(collected, out_path)
     progress_path.unlink()
     progress_path.with_suffix(".fingerprint").unlink()
-    return collected
+    return Collection(collected, failures, left_out)
 
 
 def _fingerprint(params) -> str:

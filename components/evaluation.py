@@ -2,7 +2,9 @@
 
 Generic on purpose: the scripted baselines here and, later, trained LLM policies go through `evaluate_policy`.
 Environments are stepped in parallel threads, one environment per thread; that is real parallelism because the
-engines (TextWorld child processes, Chromium) do the work outside the interpreter.
+engines (TextWorld child processes, Chromium) do the work outside the interpreter. Episodes an environment failure
+ended (a hung or dead engine or browser: `base.env_failure`) are not the policy's outcome: they are counted apart
+(`env_failures`) and left out of every rate, mean and interval.
 """
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from typing import Any
 
 from components.config import EnvironmentsParams, Params
 from components.contract import SOURCES, Task, Trajectory
-from components.environments.base import Environment, Observation, Policy
+from components.environments.base import Environment, Observation, Policy, check_not_all_failed, env_failure
 from components.environments.registry import RealEnvironment, has_adapter, real_environment
 from components.environments.rollout import run_episode
 from components.reports import markdown_table
 
 PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
+ENV_FAILURES_COLUMN = "environment failures (excluded)"  # the reports' column for `env_failures`
+ENV_FAILURES_NOTE = ("Episodes an environment failure ended (a hung or crashed engine or browser: not the policy's "
+                     "doing) are counted apart and left out of episodes, success, its interval and the means.")
 
 
 def wilson_interval(successes: int, n: int, confidence: float) -> tuple[float, float]:
@@ -51,7 +56,7 @@ def wilson_interval(successes: int, n: int, confidence: float) -> tuple[float, f
 class EvaluationResult:
     environment: str
     policy: str
-    episodes: int
+    episodes: int  # counted: every episode played but those an environment failure ended
     successes: int
     success_rate: float
     success_ci_low: float
@@ -59,20 +64,28 @@ class EvaluationResult:
     mean_return: float
     mean_steps: float
     wall_s: float
-    trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # in task order
+    env_failures: int = 0  # episodes an environment failure ended: in no number above
+    trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # in task order, all of them
 
     def metrics(self) -> dict[str, float | int]:
         """The numbers for DVC metrics (no trajectories, no names: those are the keys around it)."""
         return {"episodes": self.episodes, "successes": self.successes, "success_rate": self.success_rate,
                 "success_ci_low": self.success_ci_low, "success_ci_high": self.success_ci_high,
-                "mean_return": self.mean_return, "mean_steps": self.mean_steps, "wall_s": round(self.wall_s, 2)}
+                "mean_return": self.mean_return, "mean_steps": self.mean_steps, "env_failures": self.env_failures,
+                "wall_s": round(self.wall_s, 2)}
 
     def games(self, policy: str, environment: str | None = None) -> list[dict[str, Any]]:
         """One row per game played, for pairing policies game by game (every policy plays the same held-out
-        tasks, greedily): its outcome and its actions (JSON list), which show where two policies' play differs."""
-        return [{"policy": policy, "environment": environment or self.environment, "task_id": t.task.task_id,
-                 "won": int(t.success), "steps": len(t.steps), "actions": json.dumps([s.action for s in t.steps])}
-                for t in self.trajectories]
+        tasks, greedily): its outcome and its actions (JSON list), which show where two policies' play differs.
+        A game an environment failure ended has no outcome (`won` empty) and says why in `env_failure`: a pairing
+        leaves it out, as the metrics do."""
+        rows = []
+        for t in self.trajectories:
+            failure = env_failure(t)
+            rows.append({"policy": policy, "environment": environment or self.environment, "task_id": t.task.task_id,
+                         "won": "" if failure else int(t.success), "steps": len(t.steps),
+                         "actions": json.dumps([s.action for s in t.steps]), "env_failure": failure or ""})
+        return rows
 
 
 def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task],
@@ -83,7 +96,8 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     Each worker thread opens its own environment and takes the next unplayed task until none is left; results
     are stored by task index, so the output order never depends on timing. The first error (in a policy or an
     environment) stops the other workers and is raised; every environment is closed on every path. `max_steps`
-    (default: the environment's own cap) bounds each episode.
+    (default: the environment's own cap) bounds each episode. An episode an environment failure ended counts in
+    `env_failures` only; when every episode did, the environment is broken, not flaky, and this raises.
     """
     max_steps = max_steps or kind.max_steps(env_params)
     source = name if name in SOURCES else "policy"
@@ -92,7 +106,7 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     stop = threading.Event()
     errors: list[BaseException] = []
     environments: list[Environment] = []
-    state = {"next": 0, "done": 0, "successes": 0, "printed": -math.inf}
+    state = {"next": 0, "done": 0, "successes": 0, "env_failures": 0, "printed": -math.inf}
     started = time.monotonic()
 
     def report() -> None:  # called with the lock held
@@ -102,8 +116,11 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
         state["printed"] = now
         elapsed = now - started
         eta = elapsed / done * (len(tasks) - done)
+        counted, failures = done - state["env_failures"], state["env_failures"]
         progress(f"[evaluate {kind.name} / {name}] {done}/{len(tasks)} episodes, "
-                 f"success {state['successes'] / done:.2f}, elapsed {elapsed:.0f} s, ETA {eta:.0f} s")
+                 f"success {state['successes'] / counted if counted else 0.0:.2f}"
+                 + (f" ({failures} environment failures excluded)" if failures else "")
+                 + f", elapsed {elapsed:.0f} s, ETA {eta:.0f} s")
 
     def work() -> None:
         env: Environment | None = None
@@ -124,6 +141,7 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
                     trajectories[index] = trajectory
                     state["done"] += 1
                     state["successes"] += trajectory.success
+                    state["env_failures"] += env_failure(trajectory) is not None
                     report()
         except BaseException as error:  # noqa: BLE001 - handed to the calling thread, which raises it
             with lock:
@@ -153,21 +171,25 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
         raise
     if errors:
         raise errors[0]
-    return summarize(kind.name, name, [t for t in trajectories if t is not None], confidence,
-                     time.monotonic() - started)
+    result = summarize(kind.name, name, [t for t in trajectories if t is not None], confidence,
+                       time.monotonic() - started)
+    check_not_all_failed(result.trajectories, f"evaluate {kind.name} / {name}")
+    return result
 
 
 def summarize(environment: str, policy: str, trajectories: list[Trajectory], confidence: float,
               wall_s: float) -> EvaluationResult:
-    n = len(trajectories)
-    successes = sum(t.success for t in trajectories)
+    """The numbers of `trajectories` (kept whole in the result), over those no environment failure ended."""
+    counted = [t for t in trajectories if env_failure(t) is None]
+    n = len(counted)
+    successes = sum(t.success for t in counted)
     low, high = wilson_interval(successes, n, confidence)
     return EvaluationResult(
         environment=environment, policy=policy, episodes=n, successes=successes,
         success_rate=successes / n if n else 0.0, success_ci_low=low, success_ci_high=high,
-        mean_return=sum(t.return_ for t in trajectories) / n if n else 0.0,
-        mean_steps=sum(len(t.steps) for t in trajectories) / n if n else 0.0,
-        wall_s=wall_s, trajectories=trajectories)
+        mean_return=sum(t.return_ for t in counted) / n if n else 0.0,
+        mean_steps=sum(len(t.steps) for t in counted) / n if n else 0.0,
+        wall_s=wall_s, env_failures=len(trajectories) - n, trajectories=trajectories)
 
 
 def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[Task], fmt: Any, *, max_turns: int,
@@ -192,6 +214,7 @@ def replay_in_real(kind: RealEnvironment, env_params: EnvironmentsParams, episod
 
     Applied to episodes played inside the experience model, it tells which synthetic outcomes the application
     agrees with: a synthetic win the real game does not give is a simulator error the policy can learn to exploit.
+    A replay an environment failure ended is kept, marked (`env_failure`); `outcome_agreement` leaves it out.
     """
     replays: list[Trajectory] = []
     env = kind.open(env_params)
@@ -205,13 +228,16 @@ def replay_in_real(kind: RealEnvironment, env_params: EnvironmentsParams, episod
                 progress(f"[replay {kind.name}] {index + 1}/{len(episodes)} episodes")
     finally:
         env.close()
+    check_not_all_failed(replays, f"replay {kind.name}")
     return replays
 
 
 def outcome_agreement(synthetic: Sequence[Trajectory], real: Sequence[Trajectory]) -> dict[str, int]:
-    """How the synthetic outcomes of episodes compare with their replays in the real environment (paired in order)."""
-    pairs = list(zip(synthetic, real, strict=True))
-    return {"episodes": len(pairs),
+    """How the synthetic outcomes of episodes compare with their replays in the real environment (paired in order);
+    a pair whose replay an environment failure ended has no real outcome: counted in `env_failures` only."""
+    all_pairs = list(zip(synthetic, real, strict=True))
+    pairs = [(s, r) for s, r in all_pairs if env_failure(r) is None]
+    return {"episodes": len(pairs), "env_failures": len(all_pairs) - len(pairs),
             "synthetic_successes": sum(s.success for s, _ in pairs),
             "real_successes": sum(r.success for _, r in pairs),
             "both": sum(s.success and r.success for s, r in pairs),
@@ -267,9 +293,9 @@ def format_success(result: EvaluationResult) -> str:
 
 def results_table(results: list[EvaluationResult], confidence: float) -> str:
     header = ["environment", "policy", "episodes", f"success [{confidence:.0%} CI]", "mean return", "mean steps",
-              "wall time (s)"]
+              "wall time (s)", ENV_FAILURES_COLUMN]
     rows = [[r.environment, r.policy, r.episodes, format_success(r), f"{r.mean_return:.3f}", f"{r.mean_steps:.1f}",
-             f"{r.wall_s:.1f}"] for r in results]
+             f"{r.wall_s:.1f}", r.env_failures] for r in results]
     return markdown_table(header, rows)
 
 
@@ -283,7 +309,7 @@ def baseline_report(results: list[EvaluationResult], skipped: list[str], confide
              "count actions up to success, failure or the step cap. The expert replays a walkthrough (TextWorld) "
              "or a scripted solver (MiniWoB); the random policy is the seed collection's: an admissible command "
              "(TextWorld; eat, drink, cook, cut and prepare weighted 4x; a quarter of them malformed) or a page "
-             "element (MiniWoB), seeded by the run seed and the task id.", ""]
+             f"element (MiniWoB), seeded by the run seed and the task id. {ENV_FAILURES_NOTE}", ""]
     if skipped:
         lines += [f"Skipped (no real-environment adapter; seed-only domains): {', '.join(skipped)}.", ""]
     return "\n".join(lines)

@@ -37,6 +37,7 @@ from components.rl import (
     save_sidecars,
     save_trained_policy,
     start_run,
+    training_returns,
 )
 from components.rollouts import EpisodeBatch, RolloutStats
 from components.sft import load_trained_model, lora_config
@@ -134,7 +135,7 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
                 "completion_ids": [e.completion_ids for e in episodes],
                 "logprobs": [e.logprobs for e in episodes],
                 "env_mask": [e.env_mask for e in episodes],
-                "episode_return": [e.return_ for e in episodes]}
+                "episode_return": training_returns(episodes, settings.group_size)}  # env failures: no advantage
 
     class IterationLog(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

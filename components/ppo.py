@@ -46,6 +46,7 @@ from components.rl import (
     save_sidecars,
     save_trained_policy,
     start_run,
+    trainable,
 )
 from components.rollouts import Episode, EpisodeBatch
 
@@ -411,7 +412,9 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
                                                  settings, iteration)
 
         optimisation_started = time.monotonic()
-        update = ppo_update(model, reference, value_head, optimizer, episodes, settings, tokenizer.pad_token_id)
+        # an episode an environment failure ended is not the policy's outcome: it takes no part in the update
+        update = ppo_update(model, reference, value_head, optimizer, trainable(episodes), settings,
+                            tokenizer.pad_token_id)
         rows.append(iteration_record(iteration + 1, episodes, stats, buffer, **fields,
                                      optimisation_s=round(time.monotonic() - optimisation_started, 2), **update))
 

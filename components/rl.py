@@ -6,6 +6,11 @@ episodes), their trajectories appended to the replay buffer as synthetic experie
 bookkeeping and new task variations; then one policy update. Every `save_every` iterations a checkpoint holds the
 policy adapter, the optimizer, the RNG states and, next to them, the replay buffer, the curriculum and the iteration
 log, so a crashed run resumes from the last checkpoint without losing or repeating an iteration.
+
+An episode an environment failure ended (real environments only: a hung or dead engine or browser) is not the
+policy's outcome: the iteration log counts it (`env_failures`) and leaves it out of the outcome means, the update
+gives it no advantage (`training_returns` for GRPO's groups, `trainable` for PPO), the curriculum does not see it and
+the replay buffer does not get it. An iteration every episode of which failed stops the run with an error.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from components.contract import Task
+from components.environments.base import check_not_all_failed
 from components.environments.synthetic import add_to_buffer
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
 from components.replay_buffer import ReplayBuffer, WeaviateReplayBuffer, load_replay_buffer
@@ -85,15 +91,17 @@ def logged_seconds(rows: list[dict[str, Any]]) -> float:
 
 def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStats, buffer: ReplayBuffer | None,
                      **fields: Any) -> dict[str, Any]:
-    """One row of the iteration log (DVC plots): rollout outcomes, the time split, the curriculum's and the
-    update's numbers."""
+    """One row of the iteration log (DVC plots): rollout outcomes (over the episodes no environment failure ended),
+    the time split, the curriculum's and the update's numbers."""
     n = len(episodes)
+    counted = trainable(episodes)
     return {
         "iteration": iteration,
-        "reward_mean": sum(e.return_ for e in episodes) / n,
-        "success_rate": sum(e.success for e in episodes) / n,
-        "ended_rate": sum(e.done for e in episodes) / n,  # the environment (not the turn limit) ended them
-        "turns_mean": sum(len(e.actions) for e in episodes) / n,
+        "reward_mean": sum(e.return_ for e in counted) / len(counted),
+        "success_rate": sum(e.success for e in counted) / len(counted),
+        "ended_rate": sum(e.done for e in counted) / len(counted),  # the environment (not the turn limit) ended them
+        "turns_mean": sum(len(e.actions) for e in counted) / len(counted),
+        "env_failures": n - len(counted),  # episodes an environment failure ended, in none of the numbers above
         # steps where the experience model's reply was unparsable and the state stayed as it was
         "fallback_steps": sum(bool(step.info.get("fallback"))
                               for e in episodes if e.trajectory for step in e.trajectory.steps),
@@ -104,6 +112,27 @@ def iteration_record(iteration: int, episodes: list[Episode], stats: RolloutStat
         "environment_s": round(stats.env_seconds, 2),
         **{key: (round(value, 6) if isinstance(value, float) else value) for key, value in fields.items()},
     }
+
+
+def trainable(episodes: list[Episode]) -> list[Episode]:
+    """The episodes whose outcome is the policy's: all but those an environment failure ended."""
+    return [e for e in episodes if e.env_failure is None]
+
+
+def training_returns(episodes: list[Episode], group_size: int) -> list[float]:
+    """Each episode's return as GRPO's update sees it (groups: `group_size` episodes of a task in a row).
+
+    An episode an environment failure ended takes the mean return of the rest of its group, so its group-relative
+    advantage is 0 and the others' keep their signs and order (their spread is measured with it); in a group that
+    failed whole, every episode gets 0: no advantage.
+    """
+    returns: list[float] = []
+    for start in range(0, len(episodes), group_size):
+        group = episodes[start:start + group_size]
+        counted = [e.return_ for e in trainable(group)]
+        stand_in = sum(counted) / len(counted) if counted else 0.0
+        returns += [e.return_ if e.env_failure is None else stand_in for e in group]
+    return returns
 
 
 def task_schedule(tasks: list[Task], settings: RLSettings, iteration: int) -> list[Task]:
@@ -138,10 +167,11 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
     episodes = rollout(model, tokenizer, make_batch(), tasks, fmt, max_turns=settings.max_turns,
                        max_action_tokens=settings.max_action_tokens, max_tokens=settings.max_tokens,
                        temperature=settings.temperature, stats=stats)
+    check_not_all_failed([e.trajectory for e in episodes], f"RL iteration {iteration + 1}")
     started = time.monotonic()
-    added = add_to_buffer(buffer, [e.trajectory for e in episodes]) if buffer is not None else 0
+    added = add_to_buffer(buffer, [e.trajectory for e in trainable(episodes)]) if buffer is not None else 0
     buffer_seconds, started = time.monotonic() - started, time.monotonic()
-    curriculum.observe(tasks, [e.return_ for e in episodes])
+    curriculum.observe([e.task for e in trainable(episodes)], [e.return_ for e in trainable(episodes)])
     if generator is not None:
         curriculum.propose(generator, iteration + 1)
     fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from components.contract import Step, Task, Trajectory
-from components.environments.base import Environment, Observation, StepResult
+from components.environments.base import (
+    ENV_FAILURE,
+    Environment,
+    EnvironmentFailure,
+    Observation,
+    StepResult,
+    failed_reset,
+)
 from components.environments.synthetic import SyntheticEnvironment, record_trajectory
 from components.policy import SYSTEM, PolicyFormat, parse_action, state_message
 
@@ -43,6 +50,7 @@ class Episode:
     done: bool = False  # the environment ended it (success or failure)
     truncated: bool = False  # the turn or token limit ended it
     success: bool = False
+    env_failure: str | None = None  # why, when an environment failure ended it: its outcome is not the policy's
     trajectory: Trajectory | None = None  # the contract record, set when the episode ends
 
     @property
@@ -94,7 +102,9 @@ class SyntheticBatch:
 
 class RealBatch:
     """Episodes in real environments: one engine per episode, opened by `open_environment(task)` (a batched policy
-    needs every episode's next state before its next turn), stepped one after another. Counts every transition."""
+    needs every episode's next state before its next turn), stepped one after another. Counts every transition.
+    An episode whose reset an environment failure ended starts with a state saying so, and its first step ends it
+    as `run_episode` records such an episode (`failed_reset`), without touching the environment."""
 
     def __init__(self, open_environment: Callable[[Task], Environment], source: str = "policy") -> None:
         self.open_environment, self.source = open_environment, source
@@ -109,13 +119,25 @@ class RealBatch:
         self.envs = [self.open_environment(task) for task in tasks]
         self.tasks, self.steps = list(tasks), [[] for _ in tasks]
         self.ids = [f"real-{uuid.uuid4().hex}" for _ in tasks]
-        observations = [env.reset(task) for env, task in zip(self.envs, tasks, strict=True)]
+        self.failed_resets: dict[int, str] = {}  # episode index -> why
+        observations = []
+        for i, (env, task) in enumerate(zip(self.envs, tasks, strict=True)):
+            try:
+                observations.append(env.reset(task))
+            except EnvironmentFailure as error:
+                self.failed_resets[i] = str(error)
+                observations.append(Observation(failed_reset(str(error)).next_state))
         self.states = [o.state for o in observations]
         return observations
 
     def step(self, indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
         results = []
         for i, action in zip(indices, actions, strict=True):
+            if i in self.failed_resets:
+                step = failed_reset(self.failed_resets[i])
+                self.steps[i].append(step)
+                results.append(StepResult(Observation(step.next_state), 0.0, True, dict(step.info)))
+                continue
             result = self.envs[i].step(action)
             self.steps[i].append(Step(self.states[i], action, result.observation.state, result.reward, result.done,
                                       {k: v for k, v in result.info.items() if k != "success"}))
@@ -246,6 +268,7 @@ def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: E
                 stats.policy_tokens += len(ids)
                 if result.done:
                     episode.done, episode.success = True, bool(result.info.get("success", result.reward > 0))
+                    episode.env_failure = result.info.get(ENV_FAILURE)
                     continue
                 ended = bool(ids) and ids[-1] == tokenizer.eos_token_id
                 follow = segments.environment_turn(result.observation, fmt, ended)

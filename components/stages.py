@@ -83,17 +83,19 @@ def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Collect the default seed set in the real environments (seed/<environment>.jsonl), to be onboarded."""
-    from components.collection import collect_environment, collectable
+    from components.collection import ENV_FAILURE_ATTEMPTS, collect_environment, collectable, env_failures_path
 
     root = Path(root)
     environments, seed_only = collectable(params.collect_seed.environments)
     (root / params.collect_seed.out_dir).mkdir(parents=True, exist_ok=True)  # DVC's output, even when empty
     metrics: dict[str, Any] = {"skipped": seed_only}
     collected: list[Trajectory] = []
+    failures = []  # a line per environment: its environment failures
     for environment in environments:
         out_path = root / params.collect_seed.out_dir / f"{environment}.jsonl"
         progress_path = root / ".cache" / "collect_seed" / f"{environment}.jsonl"
-        trajectories = collect_environment(params, environment, out_path, progress_path)
+        result = collect_environment(params, environment, out_path, progress_path)
+        trajectories = result.trajectories
         collected += trajectories
         metrics[environment] = {
             "trajectories": len(trajectories),
@@ -101,7 +103,12 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
             "success_rate": sum(t.success for t in trajectories) / len(trajectories),
             **{f"success_rate_{source}": sum(t.success for t in group) / len(group)
                for (_, source), group in _by_source(trajectories).items()},
+            "env_failures": len(result.env_failures),  # plays an environment failure ended, retried or not
+            "env_failures_left_out": len(result.left_out),  # planned episodes no play of which was collected
         }
+        kept = (f", kept in `{env_failures_path(out_path).relative_to(root)}`" if result.env_failures else "")
+        failures.append(f"- {environment}: {len(result.env_failures)} play(s) ended by an environment failure, "
+                        f"{len(result.left_out)} episode(s) left out{kept}")
     settings = params.collect_seed
     text = (f"# Seed collection\n\n{settings.train_tasks} training tasks per environment; per task "
             f"{settings.episodes.expert} expert, {settings.episodes.noisy_expert} noisy-expert "
@@ -110,6 +117,9 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
             f"and skipping experts' source is `policy`. "
             f"Onboard them with `dreamgym data onboard {settings.out_dir}/*.jsonl`.\n\n"
             + _source_table(_by_source(collected))
+            + (f"\nEnvironment failures (a hung or crashed engine or browser, not the policy: never collected; the "
+               f"episode is played again, up to {ENV_FAILURE_ATTEMPTS} times in all, then left out):\n\n"
+               + "\n".join(failures) + "\n" if failures else "")
             + (f"\nSkipped (no real-environment adapter): {', '.join(seed_only)}\n" if seed_only else ""))
     write_stage_outputs("collect_seed", metrics, text, root)
     return metrics
@@ -623,16 +633,20 @@ def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
     metrics = {"skipped": skipped, "start_from": settings.start_from, "algorithm": params.synthetic_rl.algorithm,
                "iterations": result.iterations, "real_transitions_budget": settings.real_transitions,
                "real_transitions_used": used, "episodes": len(rows) * rl.episodes_per_iteration,
+               # episodes an environment failure ended: out of success_rate and reward_mean, given no advantage
+               "env_failures": sum(row.get("env_failures", 0) for row in rows),
                "final": {key: rows[-1].get(key) for key in ("reward_mean", "success_rate", "kl")} if rows else {},
                "seconds": round(result.seconds, 1), "resumed": result.resumed_from is not None}
-    shown = ["iteration", "reward_mean", "success_rate", "kl", "turns_mean", "env_transitions",
+    shown = ["iteration", "reward_mean", "success_rate", "kl", "turns_mean", "env_transitions", "env_failures",
              "policy_generation_s", "environment_s", "optimisation_s"]
     text = (f"# Sim-to-real ({params.synthetic_rl.algorithm.upper()})\n\nFrom the {settings.start_from} policy, "
             f"{result.iterations} iterations in the real environments ({len(tasks)} training tasks, "
             f"{rl.tasks_per_iteration} per iteration x {rl.group_size} episodes, at most {rl.max_turns} turns) used "
             f"**{used} real transitions** of a budget of {settings.real_transitions} (each iteration is charged its "
             f"worst case, {rl.episodes_per_iteration * rl.max_turns}, before it runs). Wall time "
-            f"{result.seconds:.0f} s.\n\n![learning curves](sim_to_real.png)\n\n"
+            f"{result.seconds:.0f} s. {metrics['env_failures']} episode(s) ended by an environment failure (a hung "
+            "or crashed engine or browser): counted in `env_failures`, left out of success and reward, given no "
+            "advantage.\n\n![learning curves](sim_to_real.png)\n\n"
             + markdown_table(shown, [[row.get(key) for key in shown] for row in rows])
             + (f"\nSkipped (no real-environment adapter): {', '.join(skipped)}.\n" if skipped else ""))
     write_stage_outputs("sim_to_real", metrics, text, root)
@@ -646,7 +660,13 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     from components import policy, sft
     from components.environments.registry import has_adapter, real_environment
     from components.environments.synthetic import first_state_tasks
-    from components.evaluation import evaluate_in_simulation, evaluate_policy, format_success
+    from components.evaluation import (
+        ENV_FAILURES_COLUMN,
+        ENV_FAILURES_NOTE,
+        evaluate_in_simulation,
+        evaluate_policy,
+        format_success,
+    )
     from components.experience_model import HFGenerationBackend
     from components.rl import read_iteration_log
     from components.rollouts import SyntheticBatch
@@ -689,7 +709,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([name, label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
-                         f"{result.wall_s:.0f}"])
+                         f"{result.wall_s:.0f}", result.env_failures])
         for env in simulators:
             if not simulated[env.name]:
                 continue
@@ -703,7 +723,7 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([f"{env.name} (in the experience model)", label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
-                         f"{result.wall_s:.0f}"])
+                         f"{result.wall_s:.0f}", result.env_failures])
         metrics[key] = entry
     if simulator_stats is not None:
         _fallback_budget(params).check(simulator_stats, "evaluate_policies (held-out games of seed-only domains)",
@@ -726,11 +746,12 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     confidence = params.evaluate.confidence
     text = ("# Policies on held-out tasks\n\n"
             + markdown_table(["environment", "policy", "episodes", f"success [{confidence:.0%} CI]",
-                              "next-action accuracy", "mean steps", "wall time (s)"], rows)
+                              "next-action accuracy", "mean steps", "wall time (s)", ENV_FAILURES_COLUMN], rows)
             + f"\nClosed loop: each policy plays {params.policy.eval_tasks} held-out real tasks per environment once "
               f"(greedy, at most {params.policy.max_turns} turns); Wilson intervals. Next-action accuracy is "
-              f"teacher-forced on {len(heldout)} held-out seed episodes.{provenance} Every episode, step by step: "
-              f"`{EPISODES_FILE}`; each game's outcome: `{GAMES_FILE}`.\n"
+              f"teacher-forced on {len(heldout)} held-out seed episodes. {ENV_FAILURES_NOTE}{provenance} Every "
+              f"episode, step by step: `{EPISODES_FILE}`; each game's outcome: `{GAMES_FILE}` (`won` empty and "
+              "`env_failure` saying why where an environment failure ended the game).\n"
             + (f"\nNo real-environment adapter (seed-only domains): {', '.join(skipped)}. Their held-out seed tasks "
                "are played inside the experience model instead: that success is the simulator's verdict, a check "
                "of the policy against the learned dynamics, not of the application.\n" if skipped else "")

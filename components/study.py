@@ -186,11 +186,14 @@ def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("
 
 
 def _read_games(path: Path) -> dict[tuple[str, str], dict[str, bool]]:
+    """(policy, environment) -> task id -> won; a game an environment failure ended has no outcome and is left out
+    (as the metrics leave it out of `episodes`), so no pairing counts it as a loss."""
     games: dict[tuple[str, str], dict[str, bool]] = {}
     if path.is_file():
         with path.open(encoding="utf-8") as handle:
             for row in csv.DictReader(handle):
-                games.setdefault((row["policy"], row["environment"]), {})[row["task_id"]] = row["won"] == "1"
+                if not row.get("env_failure"):
+                    games.setdefault((row["policy"], row["environment"]), {})[row["task_id"]] = row["won"] == "1"
     return games
 
 

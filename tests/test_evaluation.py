@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -11,17 +12,22 @@ import psutil
 import pytest
 
 from components.config import load_params
+from components.environments.base import env_failure
 from components.environments.synthetic import episodes_from_buffer
 from components.evaluation import (
+    ENV_FAILURES_COLUMN,
     EvaluationResult,
     evaluate_baselines,
     evaluate_policy,
     outcome_agreement,
     replay_in_real,
+    results_table,
     seeded_random,
     wilson_interval,
 )
 from components.replay_buffer import Retrieved
+from components.reports import write_csv
+from components.study import _read_games
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository's own game cache: games are deterministic in their parameters, so tests share them.
@@ -134,8 +140,60 @@ def test_synthetic_episodes_replayed_in_the_real_game_confirm_or_refute_their_wi
     real = replay_in_real(kind, params.environments, synthetic, progress=None)
     assert [[s.action for s in r.steps] for r in real] == [[s.action for s in e.steps] for e in synthetic]
     assert [r.success for r in real] == [True, False, True]
-    assert outcome_agreement(synthetic, real) == {"episodes": 3, "synthetic_successes": 2, "real_successes": 2,
-                                                  "both": 1, "synthetic_only": 1, "real_only": 1}
+    assert outcome_agreement(synthetic, real) == {"episodes": 3, "env_failures": 0, "synthetic_successes": 2,
+                                                  "real_successes": 2, "both": 1, "synthetic_only": 1, "real_only": 1}
+    assert not engine_children()
+
+
+def test_an_engine_that_dies_mid_episode_is_counted_apart_not_as_a_loss(textworld, tmp_path) -> None:
+    kind, params, tasks = textworld
+    doomed = tasks[1].task_id
+
+    def make_policy(env):
+        expert = kind.expert(env)
+
+        def act(task, observation, history):
+            if task.task_id == doomed and len(history) == 2:
+                os.kill(env._worker._process.pid, signal.SIGKILL)  # the engine crashes under the episode
+            return expert(task, observation, history)
+        return act
+
+    result = evaluate_policy(kind, params.environments, tasks, make_policy, workers=2, confidence=0.95,
+                             name="expert", progress=None)
+    assert [env_failure(t) is not None for t in result.trajectories] == [False, True, False, False]
+    assert len(result.trajectories[1].steps) == 3 and not result.trajectories[1].success
+    # the expert won the three games it could play: 3 of 3, not 3 of 4
+    assert (result.episodes, result.successes, result.env_failures) == (3, 3, 1)
+    assert (result.success_rate, result.success_ci_low, result.success_ci_high) == (1.0, *wilson_interval(3, 3, 0.95))
+    assert result.mean_return == 1.0 and result.metrics()["env_failures"] == 1
+    table = results_table([result], 0.95)
+    assert f"| {ENV_FAILURES_COLUMN} |" in table and table.rstrip().endswith("| 1 |")
+
+    # the games file marks the game (no outcome, the reason), and the study's pairing leaves it out
+    games = result.games("expert")
+    assert [g["won"] for g in games] == [1, "", 1, 1] and "game engine failed" in games[1]["env_failure"]
+    assert [g["env_failure"] for g in games[::2]] == ["", ""]
+    write_csv(games, tmp_path / "evaluate_policies_games.csv")
+    outcomes = _read_games(tmp_path / "evaluate_policies_games.csv")[("expert", "textworld-cooking")]
+    assert outcomes == {t.task_id: True for t in tasks if t.task_id != doomed}
+    assert (len(outcomes), sum(outcomes.values())) == (result.episodes, result.successes)  # what paired_games checks
+
+    # a replay an environment failure ended has no real outcome to agree or disagree with
+    assert outcome_agreement(result.trajectories, result.trajectories) == {
+        "episodes": 3, "env_failures": 1, "synthetic_successes": 3, "real_successes": 3, "both": 3,
+        "synthetic_only": 0, "real_only": 0}
+    assert not engine_children()
+
+
+def test_an_environment_that_fails_every_episode_stops_the_evaluation(textworld, monkeypatch) -> None:
+    """Engines that never start in time: every reset fails. That is a broken environment, not a result of 0 of 0."""
+    import components.environments.textworld_cooking as tw
+
+    kind, params, tasks = textworld
+    monkeypatch.setattr(tw, "STARTUP_TIMEOUT_S", 0.01)  # far less than a child takes to import TextWorld
+    with pytest.raises(RuntimeError, match=r"failure ended every episode \(4\).*at reset: TimeoutError: no answer"):
+        evaluate_policy(kind, params.environments, tasks, kind.expert, workers=2, confidence=0.95, name="expert",
+                        progress=None)
     assert not engine_children()
 
 

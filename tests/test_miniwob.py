@@ -17,6 +17,7 @@ if not (Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exi
     pytest.skip("needs Debian chromium and chromium-driver", allow_module_level=True)
 
 from components.contract import Task  # noqa: E402
+from components.environments.base import ENV_FAILURE, env_failure  # noqa: E402
 from components.environments.miniwob import (  # noqa: E402
     SEED_RANGES,
     TASKS,
@@ -146,11 +147,36 @@ def test_hung_browser_step_times_out_and_env_recovers():
         result = env.step(f"click [{ref}]")
         assert time.monotonic() - start < 10
         assert result.done and result.reward == 0.0 and result.info["timeout"] and not result.info["success"]
+        assert "step timed out" in result.info[ENV_FAILURE] and result.info["truncated"]
         assert "Episode over: failure" in result.observation.state
         time.sleep(0.5)
         assert not _running(pids), "the hung browser was not killed"
         trajectory = run_episode(env, task, expert_policy(), max_steps=3, trajectory_id="t", source="expert")
         assert trajectory.success  # the next reset started a fresh browser
+
+
+def test_a_browser_gone_mid_episode_or_at_reset_is_an_environment_failure(monkeypatch):
+    import components.environments.miniwob as mw
+
+    task = _task("enter-text", 12)
+    with MiniWoB() as env:
+        state = env.reset(task).state
+        field = next(e.ref for e in parse_state(state)[1] if e.tag == "input_text")
+        refused = env.step(f'type [{field}] "\\ud800"')  # WebDriver cannot type a lone surrogate; the browser works
+        assert refused.done and "InvalidArgument" in refused.info["error"] and ENV_FAILURE not in refused.info
+        env.reset(task)
+        env._gym.instance.driver.quit()  # the browser goes away under the episode
+        result = env.step("wait")
+        assert result.done and not result.info["success"] and result.info["truncated"]
+        assert result.info[ENV_FAILURE].startswith("browser error:") and "Error: browser error" in \
+            result.observation.state
+        monkeypatch.setattr(mw, "RESET_TIMEOUT_S", 0.001)  # no page loads that fast: both tries of the reset fail
+        failed = run_episode(env, task, expert_policy(), max_steps=3, trajectory_id="t", source="expert")
+        assert "the browser failed at reset: StepTimeout" in env_failure(failed) and len(failed.steps) == 1
+        monkeypatch.undo()
+        assert run_episode(env, task, expert_policy(), max_steps=3, trajectory_id="t", source="expert").success
+    with pytest.raises(ValueError, match="unknown or unsupported"):  # a bad task is no environment failure
+        MiniWoB().reset(_task("no-such-task", 1))
 
 
 def test_browser_is_gone_after_an_exception_mid_episode():

@@ -126,3 +126,52 @@ def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny)
     cut = rollout(model, tokenizer, SyntheticBatch(env), [TASK], PolicyFormat(), max_turns=2, max_action_tokens=3,
                   temperature=0.0)[0]
     assert cut.truncated and not cut.done and len(cut.actions) == 2
+
+
+def test_an_environment_failure_in_real_rl_is_counted_apart_and_given_no_advantage(tiny, monkeypatch):
+    """Two episodes of a real TextWorld game in a RealBatch; the second one's engine does not start in time (a busy
+    machine). That episode ends at its first turn, marked; the iteration log counts it apart from the outcomes, GRPO
+    gets its group's mean return for it (a group-relative advantage of 0) and PPO leaves it out."""
+    pytest.importorskip("textworld")
+    import components.environments.textworld_cooking as tw
+    from components.environments.base import env_failure, failed_reset
+    from components.rl import iteration_record, trainable, training_returns
+    from components.rollouts import RealBatch
+    from tests.conftest import REPO
+
+    cache = REPO / ".cache" / "textworld"
+    task = tw.make_tasks("train", 1, seed=0, cache_dir=cache)[0]
+    running = tw.TextWorldCooking(cache)
+    running.reset(task)  # the first episode's engine is already up: its reset starts none
+    engines = iter([running, tw.TextWorldCooking(cache)])
+    monkeypatch.setattr(tw, "STARTUP_TIMEOUT_S", 0.01)  # far less than a child takes to import TextWorld
+    batch = RealBatch(lambda _: next(engines))
+    model, tokenizer = tiny
+    try:
+        episodes = rollout(model, tokenizer, batch, [task, task], PolicyFormat(), max_turns=2, max_action_tokens=4,
+                           max_tokens=2000)
+    finally:
+        batch.close()
+    played, failed = episodes
+    assert played.env_failure is None and env_failure(played.trajectory) is None and len(played.actions) == 2
+    assert "at reset: TimeoutError: no answer" in failed.env_failure == env_failure(failed.trajectory)
+    assert failed.done and len(failed.actions) == 1 and failed.trajectory.steps == [failed_reset(failed.env_failure)]
+
+    row = iteration_record(1, episodes, RolloutStats(), None)
+    assert row["env_failures"] == 1
+    assert (row["success_rate"], row["reward_mean"], row["turns_mean"]) == (float(played.success), played.return_, 2)
+    assert training_returns(episodes, group_size=2) == [played.return_, played.return_]
+    assert trainable(episodes) == [played]
+
+
+def test_training_returns_give_a_failed_episode_its_groups_mean():
+    from components.rl import training_returns
+    from components.rollouts import Episode
+
+    def episode(reward: float, failure: str | None = None) -> Episode:
+        return Episode(TASK, [0], rewards=[reward], done=True, env_failure=failure)
+
+    returns = training_returns([episode(1.0), episode(0.0), episode(0.0, "engine died"), episode(0.5),
+                                episode(0.0, "browser crashed"), episode(0.0, "browser crashed")], group_size=4)
+    assert returns[:4] == [1.0, 0.0, 0.5, 0.5] and returns[2] == sum(returns[:4]) / 4  # no advantage in its group
+    assert returns[4:] == [0.0, 0.0]  # a group (here the last, of 2) that failed whole: no advantage at all

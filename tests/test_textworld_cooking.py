@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("textworld")
 
 from components.contract import Trajectory  # noqa: E402
-from components.environments.base import Observation  # noqa: E402
+from components.environments.base import ENV_FAILURE, EnvironmentFailure, Observation, env_failure  # noqa: E402
 from components.environments.rollout import run_episode  # noqa: E402
 from components.environments.textworld_cooking import (  # noqa: E402
     ENVIRONMENT,
@@ -219,6 +219,9 @@ def test_invalid_action_is_a_step(env: TextWorldCooking, heldout: list) -> None:
     assert "Observation:" in result.observation.state
     assert result.observation.valid_actions == observation.valid_actions
     assert list(result.observation.valid_actions) == sorted(result.observation.valid_actions)
+    # control characters the engine would die on (a policy can write them) reach it as spaces
+    result = env.step("inventory\x00\x10")
+    assert not result.done and result.info["valid_action"] and ENV_FAILURE not in result.info
 
 
 def test_hung_engine_is_a_failed_final_step(cache: Path, heldout: list) -> None:
@@ -229,7 +232,8 @@ def test_hung_engine_is_a_failed_final_step(cache: Path, heldout: list) -> None:
         result = env.step("inventory")
         assert time.perf_counter() - started < 5.0
         assert result.done and result.reward == 0.0
-        assert result.info["success"] is False and "engine_error" in result.info
+        assert result.info["success"] is False and "no answer" in result.info[ENV_FAILURE]
+        assert result.info["truncated"] and "The game engine failed" in result.observation.state
         with pytest.raises(RuntimeError):
             env.step("look")
         env.step_timeout = 10.0
@@ -237,7 +241,27 @@ def test_hung_engine_is_a_failed_final_step(cache: Path, heldout: list) -> None:
         assert not env.step("inventory").done
         os.kill(env._worker._process.pid, signal.SIGKILL)  # the engine crashes
         result = env.step("look")
-        assert result.done and result.info["success"] is False and "engine_error" in result.info
+        assert result.done and result.info["success"] is False and result.info[ENV_FAILURE]
+
+
+def test_an_engine_that_fails_at_reset_is_an_environment_failure_of_that_episode(cache: Path, heldout: list,
+                                                                                 monkeypatch) -> None:
+    """An engine that does not start in time (a busy machine) fails the reset: EnvironmentFailure (a task that does
+    not generate stays a ValueError, above), which run_episode records as a one-step episode marked env_failure."""
+    import components.environments.textworld_cooking as tw
+
+    with TextWorldCooking(cache) as env:
+        monkeypatch.setattr(tw, "STARTUP_TIMEOUT_S", 0.01)  # far less than a child takes to import TextWorld
+        with pytest.raises(EnvironmentFailure, match="at reset: TimeoutError: no answer"):
+            env.reset(heldout[0])
+        trajectory = run_episode(env, heldout[0], expert_policy(env), max_steps=5, trajectory_id="t",
+                                 source="expert")
+        assert [(s.action, s.done) for s in trajectory.steps] == [("", True)] and not trajectory.success
+        assert "no answer from the TextWorld engine" in env_failure(trajectory)
+        assert Trajectory.from_dict(trajectory.to_dict()) == trajectory
+        monkeypatch.undo()
+        env.reset(heldout[0])  # a new engine
+        assert not env.step("inventory").done
 
 
 def test_close_twice(cache: Path, heldout: list) -> None:

@@ -3,6 +3,12 @@
 Gymnasium-like, in text: `reset(task)` gives the first observation, `step(action)` gives the next one with a
 reward and `done`. The observation is an abstract text state (a compact rendering, never raw HTML) plus the
 valid actions where the engine knows them. An invalid action is a failed step, never an exception.
+
+Environment failures (an engine or browser that hangs or dies) are not the policy's doing, and every real adapter
+reports them the same way: a step where it happens ends the episode with `info[ENV_FAILURE]` saying why, and a reset
+where it happens raises `EnvironmentFailure` (a task that cannot be played, such as a game seed that does not
+generate, stays a ValueError). `run_episode` turns the latter into a one-step episode with the same marker
+(`failed_reset`), so evaluation, collection and RL count such episodes apart (`env_failure`) instead of as losses.
 """
 from __future__ import annotations
 
@@ -11,9 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from components.contract import Task
+from components.contract import Step, Task, Trajectory
 
 Split = Literal["train", "heldout"]
+ENV_FAILURE = "env_failure"  # info key of the step an environment failure ended: why
+
+
+class EnvironmentFailure(RuntimeError):
+    """A reset failed because the engine or browser did (hung, died, would not start), not because of the task."""
 
 
 @dataclass(frozen=True)
@@ -51,3 +62,22 @@ class Environment(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def failed_reset(why: str) -> Step:
+    """The only step of an episode whose reset failed: no state was seen and no action played."""
+    return Step("", "", f"The environment failed: {why}", 0.0, True, {ENV_FAILURE: why, "truncated": True})
+
+
+def env_failure(trajectory: Trajectory) -> str | None:
+    """Why an environment failure ended this episode, or None (a win, a loss or a truncation that counts)."""
+    return trajectory.steps[-1].info.get(ENV_FAILURE) if trajectory.steps else None
+
+
+def check_not_all_failed(trajectories: Sequence[Trajectory], what: str) -> None:
+    """Raise when an environment failure ended every one of (some) episodes: a broken environment (not installed,
+    out of memory), whose count of failures would otherwise pass for a result."""
+    reasons = [env_failure(t) for t in trajectories]
+    if reasons and all(reasons):
+        raise RuntimeError(f"{what}: an environment failure ended every episode ({len(reasons)}); the first: "
+                           f"{reasons[0]}")

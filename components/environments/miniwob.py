@@ -19,9 +19,11 @@ Decisions callers rely on:
   `info["success"]` on the final step.
 - MiniWoB ends an episode by itself after a wall-clock limit (10-30 s per task) with failure: slow policies (an LLM on
   CPU) should pass `episode_time_limit_s`.
-- A step that runs past `step_timeout_s` (a hung page or browser) kills the browser and ends the episode as a failure
-  with `info["timeout"] = True`; the next reset starts a fresh browser. Browser errors end the episode the same way.
-  A reset that hangs (RESET_TIMEOUT_S) or fails is retried once in a fresh browser, then raises.
+- A step that runs past `step_timeout_s` (a hung page or browser) kills the browser and ends the episode with an
+  environment failure (`info["env_failure"]` says why, `info["timeout"] = True`, `truncated`); the next reset starts a
+  fresh browser. A browser error ends the episode the same way, unless the browser still answers: then it refused the
+  action, a failure that counts (`info["error"]`). A reset that hangs (RESET_TIMEOUT_S) or fails is retried once in a
+  fresh browser, then raises `EnvironmentFailure`; a missing Chromium or an unknown task raise as they are.
 - One browser per env, started at the first reset (~2.5 s) and reused across resets and tasks. `close()` quits it and
   kills its process group (chromedriver runs in its own session); it also runs from `__exit__`, `__del__` and atexit
   (so Ctrl-C is covered). A SIGKILL, or a SIGTERM nobody handles, skips all of these and leaves the browser running;
@@ -61,7 +63,15 @@ from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.wait import WebDriverWait
 
 from components.contract import Task
-from components.environments.base import Environment, Observation, Policy, Split, StepResult
+from components.environments.base import (
+    ENV_FAILURE,
+    Environment,
+    EnvironmentFailure,
+    Observation,
+    Policy,
+    Split,
+    StepResult,
+)
 
 # Tasks the expert solves; the env itself runs any non-flight MiniWoB task.
 TASKS = ("click-button", "click-link", "enter-text", "enter-password", "login-user", "click-checkboxes",
@@ -335,15 +345,17 @@ class MiniWoB(Environment):
 
     def reset(self, task: Task) -> Observation:
         name, seed = _task_key(task)
+        for variable in DEBIAN_BINARIES:  # a missing browser is a setup error, not an environment failure
+            _binary(variable)
         for attempt in range(2):  # a crashed or hung browser gets one fresh restart
             try:
                 gym = self._browser(name)
                 observation = _call(lambda: self._start_episode(gym, seed), RESET_TIMEOUT_S)
                 break
-            except Exception:
+            except Exception as error:
                 self._drop_browser(polite=False)
                 if attempt:
-                    raise
+                    raise EnvironmentFailure(f"the browser failed at reset: {_describe(error)}") from error
         self._done = False
         self._shown_refs = {}
         self._observe(observation)
@@ -362,10 +374,13 @@ class MiniWoB(Environment):
             observation, metadata = _call(lambda: self._execute(command), self.step_timeout_s)
         except StepTimeout as error:
             self._drop_browser(polite=False)
-            return self._end(False, {"timeout": True, "error": f"step timed out: {error}"})
-        except Exception as error:  # the browser crashed or refused: the episode cannot go on
+            return self._end(False, {"timeout": True, "truncated": True, ENV_FAILURE: f"step timed out: {error}"})
+        except Exception as error:  # the browser crashed or refused the action: the episode cannot go on
+            why, working = f"browser error: {_describe(error)}", self._answers()
             self._drop_browser(polite=False)
-            return self._end(False, {"error": f"browser error: {type(error).__name__}: {str(error)[:200]}"})
+            if working:  # it refused this action (e.g. text WebDriver cannot type): a failure that counts
+                return self._end(False, {"error": why})
+            return self._end(False, {"truncated": True, ENV_FAILURE: why})
         if metadata["done"]:
             raw = float(metadata["raw_reward"])
             return self._end(raw > 0, {"raw_reward": raw})
@@ -408,6 +423,14 @@ class MiniWoB(Environment):
             instance = self._gym.instance
             _call(lambda: instance.load(name), RESET_TIMEOUT_S)
         return self._gym
+
+    def _answers(self) -> bool:
+        """Whether the browser still runs a script: after an error, it tells a refused action from a crash."""
+        gym = self._gym
+        try:
+            return gym is not None and _call(lambda: gym.instance.driver.execute_script("return 1;"), 5.0) == 1
+        except Exception:
+            return False
 
     def _drop_browser(self, polite: bool = True) -> None:
         gym, self._gym = getattr(self, "_gym", None), None
@@ -490,10 +513,14 @@ class MiniWoB(Environment):
         self._done = True
         self._elements = []
         self._state = f"Task: {self._utterance}\nEpisode over: {'success' if success else 'failure'}."
-        if "error" in info:
-            self._state += f"\nError: {info['error']}"
+        if error := info.get(ENV_FAILURE) or info.get("error"):
+            self._state += f"\nError: {error}"
         info = {"valid_action": True, "success": success, "truncated": False, **info}
         return StepResult(Observation(self._state), 1.0 if success else 0.0, True, info)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def _task_key(task: Task) -> tuple[str, int]:

@@ -2,13 +2,20 @@
 from __future__ import annotations
 
 from components.contract import Step, Task, Trajectory
-from components.environments.base import Environment, Policy
+from components.environments.base import Environment, EnvironmentFailure, Policy, failed_reset
 
 
 def run_episode(env: Environment, task: Task, policy: Policy, *, max_steps: int, trajectory_id: str,
                 source: str) -> Trajectory:
-    """Reset, act until done or `max_steps`; a truncated episode ends with done false on its last step."""
-    observation = env.reset(task)
+    """Reset, act until done or `max_steps`; a truncated episode ends with done false on its last step.
+
+    A reset the environment fails (`EnvironmentFailure`) gives a one-step episode marked as such (`failed_reset`),
+    as a step it fails does: either way `env_failure(trajectory)` says why.
+    """
+    try:
+        observation = env.reset(task)
+    except EnvironmentFailure as error:
+        return Trajectory(trajectory_id, task, [failed_reset(str(error))], False, 0.0, source)
     history: list[tuple[str, str]] = []
     steps: list[Step] = []
     success = False

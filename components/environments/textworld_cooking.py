@@ -50,7 +50,15 @@ from pathlib import Path
 from typing import Any
 
 from components.contract import Task
-from components.environments.base import Environment, Observation, Policy, Split, StepResult
+from components.environments.base import (
+    ENV_FAILURE,
+    Environment,
+    EnvironmentFailure,
+    Observation,
+    Policy,
+    Split,
+    StepResult,
+)
 
 ENVIRONMENT = "textworld-cooking"
 OBJECTIVE = ("You are hungry! Let's cook a delicious meal. Check the cookbook in the kitchen for the recipe. "
@@ -63,6 +71,10 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("DREAMGYM_TEXTWORLD_CACHE",
                                         Path.home() / ".cache" / "dreamgym" / "textworld-cooking"))
 GENERATION_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 120.0  # a child imports TextWorld before it answers; slow on a busy machine
+# What a hung, dead or failing engine raises in the parent (_Worker): an environment failure, not the policy's (but
+# at a step, a RuntimeError is the engine's answer to that action: a failure that counts)
+ENGINE_ERRORS = (TimeoutError, EOFError, OSError, RuntimeError)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -202,7 +214,10 @@ class TextWorldCooking(Environment):
     episode with 0. `info` carries the game's intermediate `score`/`max_score`, `won`, `lost`, `valid_action`
     (the action was admissible; an inadmissible one is still played: the game answers it in text),
     `truncated`, and `success` on the final step. An engine that hangs longer than `step_timeout` or dies ends
-    the episode as a failure (`truncated` true, `engine_error` says why); the next reset starts a new engine.
+    the episode with an environment failure (`truncated` true, `info[ENV_FAILURE]` says why); the next reset starts
+    a new engine. At reset, the same raises `EnvironmentFailure`; parameters that do not generate a game, ValueError.
+    An engine that answers an action with an error ends the episode as a failure that counts (`info["error"]`).
+    Control characters in actions reach the engine as spaces (NUL and 0x10-0x14 kill it).
     A missing game is generated into `cache_dir` at reset (seconds); make_tasks generates them ahead.
     """
 
@@ -235,14 +250,20 @@ class TextWorldCooking(Environment):
         if "seed" not in task.parameters:
             raise ValueError(f"task {task.task_id}: parameters need a 'seed' (see make_tasks)")
         params = game_parameters(**task.parameters)
-        worker = self._ensure_worker()
-        path = _generate(worker, params, self.cache_dir)
+        try:
+            worker = self._ensure_worker()
+            path = _generate(worker, params, self.cache_dir)
+        except ENGINE_ERRORS as error:
+            raise self._failed_reset(error) from error
         if path is None:
             raise ValueError(f"task {task.task_id}: these parameters do not generate a game (use make_tasks)")
-        if path != self._loaded:
-            worker.call("load", (str(path), self.describe_room), STARTUP_TIMEOUT_S)
-            self._loaded, self._recipe = path, game_recipe(path)
-        raw = worker.call("reset", None, max(self.step_timeout, 30.0))
+        try:
+            if path != self._loaded:
+                worker.call("load", (str(path), self.describe_room), STARTUP_TIMEOUT_S)
+                self._loaded, self._recipe = path, game_recipe(path)
+            raw = worker.call("reset", None, max(self.step_timeout, 30.0))
+        except ENGINE_ERRORS as error:
+            raise self._failed_reset(error) from error
         self._walkthrough = tuple(raw["walkthrough"])
         self._done, self._started = False, True
         return self._observe(raw, _clean(raw["feedback"]))
@@ -250,12 +271,15 @@ class TextWorldCooking(Environment):
     def step(self, action: str) -> StepResult:
         if self._done:
             raise RuntimeError("the episode is over (or never began): call reset() first")
+        action = _CONTROL.sub(" ", action)  # the engine dies on some control characters (NUL, 0x10-0x14)
         valid = " ".join(action.lower().split()) in self._admissible
         try:
             assert self._worker is not None  # an episode in progress has its engine
             raw = self._worker.call("step", action, self.step_timeout)
-        except (TimeoutError, EOFError, OSError, RuntimeError) as error:
-            return self._fail(f"The game engine failed ({error}); the episode ends.", valid)
+        except RuntimeError as error:  # the engine answered with an error: this action's failure, not the engine's
+            return self._fail(str(error), valid, environment=False)
+        except ENGINE_ERRORS as error:  # it hung or died
+            return self._fail(f"the game engine failed: {_describe(error)}", valid)
         won, lost = bool(raw["won"]), bool(raw["lost"])
         self._done = won or lost
         info: dict[str, Any] = {"score": raw["score"], "max_score": raw["max_score"], "won": won, "lost": lost,
@@ -284,12 +308,19 @@ class TextWorldCooking(Environment):
         sections.append(f"Inventory: {_clean(raw['inventory'] or '')}")
         return Observation("\n".join(sections), self._admissible)
 
-    def _fail(self, message: str, valid: bool) -> StepResult:
-        """A hung or dead engine: kill it, end the episode as a failure (the next reset starts a new engine)."""
+    def _failed_reset(self, error: BaseException) -> EnvironmentFailure:
+        self.close()  # the next reset starts a new engine
+        return EnvironmentFailure(f"the game engine failed at reset: {_describe(error)}")
+
+    def _fail(self, why: str, valid: bool, environment: bool = True) -> StepResult:
+        """End the episode as a failure and close the engine (the next reset starts a new one): an environment
+        failure (`info[ENV_FAILURE]`) when it hung or died, else (it refused the action) a failure that counts."""
         self.close()
         info = {"score": self._last.get("score", 0), "max_score": self._last.get("max_score", 0), "won": False,
-                "lost": False, "valid_action": valid, "truncated": True, "engine_error": message, "success": False}
-        return StepResult(self._observe({**self._last, "admissible_commands": []}, message), 0.0, True, info)
+                "lost": False, "valid_action": valid, "truncated": True, ENV_FAILURE if environment else "error": why,
+                "success": False}
+        text = f"The game engine failed ({why}); the episode ends."
+        return StepResult(self._observe({**self._last, "admissible_commands": []}, text), 0.0, True, info)
 
 
 # ---------------------------------------------------------------------------------------------- policies
@@ -511,6 +542,10 @@ def _serve(fd: int) -> None:
             conn.send(("error", f"{type(error).__name__}: {error}"))
     if engine is not None:
         engine.close()
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _state(game_state: Any, with_walkthrough: bool = False) -> dict[str, Any]:
