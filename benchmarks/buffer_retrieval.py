@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.common import table  # noqa: E402
-from components.replay_buffer import FaissReplayBuffer, Retrieved, SentenceEncoder, render  # noqa: E402
+from components.simulator.replay_buffer import FaissReplayBuffer, Retrieved, SentenceEncoder, render  # noqa: E402
 
 DIM, ENVIRONMENTS, BATCH = 384, ("textworld-cooking", "miniwob"), 32
 

@@ -31,11 +31,11 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def load_model(name: str, cache_dir: str) -> tuple[Any, Any, str]:
     """A saved model directory (merged or adapter, via load_trained_model), else a packaged alias / HF id."""
     if Path(name).is_dir():
-        from components.sft import load_trained_model
+        from components.llm.sft import load_trained_model
 
         model, tokenizer = load_trained_model(name)
         return model, tokenizer, str(Path(name).resolve())
-    from components.models import load_causal_lm
+    from components.llm.models import load_causal_lm
 
     model, tokenizer = load_causal_lm(name, cache_dir=cache_dir)
     return model, tokenizer, f"{name} (from {cache_dir})"

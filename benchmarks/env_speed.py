@@ -18,7 +18,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from components.config import load_params  # noqa: E402
-from components.environments.registry import REAL_ENVIRONMENTS, real_environment  # noqa: E402
+from components.envs.registry import REAL_ENVIRONMENTS, real_environment  # noqa: E402
 
 
 def timed(call: Any, *args: Any) -> tuple[Any, float]:

@@ -19,15 +19,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from components.config import load_params  # noqa: E402
-from components.contract import read_trajectories  # noqa: E402
-from components.fidelity import (  # noqa: E402
+from components.data.contract import read_trajectories  # noqa: E402
+from components.simulator.fidelity import (  # noqa: E402
     copy_nearest_neighbour,
     evaluate,
     fidelity_report,
     heldout_transitions,
     state_unchanged,
 )
-from components.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
+from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ bare TRL GRPOTrainer step on the same batch (ours / bare is the overhead of mult
         [--max-action-tokens 16] [--experience-max-new-tokens 128] [--policy smollm2-135m-instruct]
         [--experience-model models/experience/model] [--threads N]
 
-Ours: `components.grpo.train_grpo` for `--iterations` iterations: the policy (LoRA as in RLSettings) plays
+Ours: `components.rl.grpo.train_grpo` for `--iterations` iterations: the policy (LoRA as in RLSettings) plays
 tasks_per_iteration x group_size multi-turn episodes in the synthetic environment (experience model on the HF
 backend, batch = every episode of the turn, grounded by the saved replay buffer), then one GRPO step. Tasks are
 TextWorld seed tasks with `initial_state` set to their seed trajectories' first state. The split is the iteration
@@ -41,21 +41,22 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from benchmarks.common import load_model, print_machine, table  # noqa: E402
 from components.config import load_params  # noqa: E402
-from components.contract import Task, read_trajectories  # noqa: E402
-from components.environments.base import Observation  # noqa: E402
-from components.environments.synthetic import SyntheticEnvironment  # noqa: E402
-from components.experience_model import HFGenerationBackend, PredictionStats, PromptFormat  # noqa: E402
-from components.policy import SYSTEM, PolicyFormat, state_message  # noqa: E402
-from components.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
-from components.rl import RLSettings  # noqa: E402
-from components.rollouts import SyntheticBatch  # noqa: E402
+from components.data.contract import Task, read_trajectories  # noqa: E402
+from components.envs.base import Observation  # noqa: E402
+from components.llm.backends import HFGenerationBackend
+from components.rl.loop import RLSettings  # noqa: E402
+from components.rl.policy import SYSTEM, PolicyFormat, state_message  # noqa: E402
+from components.rl.rollouts import SyntheticBatch  # noqa: E402
+from components.simulator.experience_model import PredictionStats, PromptFormat  # noqa: E402
+from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
+from components.simulator.synthetic import SyntheticEnvironment  # noqa: E402
 
 ENVIRONMENT = "textworld-cooking"
 
 
 def seed_tasks(path: str, count: int) -> list[Task]:
     """The first `count` distinct TextWorld tasks of the seed data, each with its first seed state."""
-    from components.environments.synthetic import first_state_tasks
+    from components.simulator.synthetic import first_state_tasks
 
     tasks = first_state_tasks([t for t in read_trajectories(path) if t.task.environment == ENVIRONMENT])
     if len(tasks) < count:
@@ -64,8 +65,8 @@ def seed_tasks(path: str, count: int) -> list[Task]:
 
 
 def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, out_dir: Path) -> dict[str, Any]:
-    from components.curriculum import Curriculum, CurriculumSettings
-    from components.grpo import train_grpo
+    from components.rl.curriculum import Curriculum, CurriculumSettings
+    from components.rl.grpo import train_grpo
 
     prompt = load_params(args.params).experience_model.prompt
     fmt = PromptFormat(**prompt.model_dump())
@@ -100,9 +101,9 @@ def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from components.grpo import grpo_config
-    from components.models import load_causal_lm
-    from components.sft import lora_config
+    from components.llm.models import load_causal_lm
+    from components.llm.sft import lora_config
+    from components.rl.grpo import grpo_config
 
     model, tokenizer = load_causal_lm(args.policy, cache_dir=args.cache_dir, dtype="float32")
     fmt = PolicyFormat()

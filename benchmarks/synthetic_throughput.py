@@ -36,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.common import load_model, print_machine, table  # noqa: E402
 from components.config import load_params  # noqa: E402
-from components.contract import Trajectory, read_trajectories  # noqa: E402
-from components.environments.synthetic import SyntheticEnvironment, SyntheticEpisode  # noqa: E402
-from components.experience_model import HFGenerationBackend, PredictionStats, PromptFormat  # noqa: E402
-from components.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
+from components.data.contract import Trajectory, read_trajectories  # noqa: E402
+from components.llm.backends import HFGenerationBackend
+from components.simulator.experience_model import PredictionStats, PromptFormat  # noqa: E402
+from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
+from components.simulator.synthetic import SyntheticEnvironment, SyntheticEpisode  # noqa: E402
 
 ENVIRONMENT = "textworld-cooking"
 
@@ -205,7 +206,7 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         best, raw_best = measure(batch_size, args.repeats)
-        from components.experience_model import parse_prediction
+        from components.simulator.experience_model import parse_prediction
 
         started = time.perf_counter()
         parsed = [parse_prediction(reply) for reply in best["replies"]]

@@ -307,7 +307,7 @@ class SimToRealParams(Section):
 
 
 class StudyParams(Section):
-    """The results study (flows/study.py, components/study.py)."""
+    """The results study (flows/study.py, components/results/study.py)."""
 
     results_dir: str
     seeds: list[int] = Field(min_length=1)

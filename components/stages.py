@@ -14,7 +14,7 @@ from typing import Any
 
 from components.artifacts import open_artifact_store
 from components.config import Params
-from components.contract import (
+from components.data.contract import (
     COLLECTED,
     QUARANTINE,
     TRAJECTORIES,
@@ -26,9 +26,10 @@ from components.contract import (
     write_records,
     write_trajectories,
 )
-from components.onboarding import OnboardingResult, onboard, version_with_dvc
+from components.data.onboarding import OnboardingResult, onboard, version_with_dvc
+from components.data.validation import Limits, read_raw_records, validate_records
+from components.llm import backends
 from components.reports import GAMES_FILE, markdown_table, metrics_path, report_path, write_csv, write_stage_outputs
-from components.validation import Limits, read_raw_records, validate_records
 
 log = logging.getLogger(__name__)
 PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # evaluate_experience_model's
@@ -83,7 +84,7 @@ def validate(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Collect the default seed set in the real environments (seed/<environment>.jsonl), to be onboarded."""
-    from components.collection import ENV_FAILURE_ATTEMPTS, collect_environment, collectable, env_failures_path
+    from components.data.collection import ENV_FAILURE_ATTEMPTS, collect_environment, collectable, env_failures_path
 
     root = Path(root)
     environments, seed_only = collectable(params.collect_seed.environments)
@@ -127,7 +128,7 @@ def collect_seed(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def evaluate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Expert and random baselines on held-out tasks of each real environment (success with confidence intervals)."""
-    from components.evaluation import evaluate_baselines
+    from components.results.evaluation import evaluate_baselines
 
     metrics, report = evaluate_baselines(params)
     write_stage_outputs("evaluate", metrics, report, root)
@@ -136,7 +137,7 @@ def evaluate(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def index_buffer(params: Params, root: str | Path = ".", log=print) -> dict[str, Any]:
     """Embed the real seed transitions of training tasks into the replay buffer and save it (buffer.out_dir)."""
-    from components.replay_buffer import SentenceEncoder, open_replay_buffer, open_seed_buffer
+    from components.simulator.replay_buffer import SentenceEncoder, open_replay_buffer, open_seed_buffer
 
     root = Path(root)
     trajectories = read_trajectories(root / params.data.dir / TRAJECTORIES)
@@ -175,7 +176,7 @@ def index_buffer(params: Params, root: str | Path = ".", log=print) -> dict[str,
 
 def annotate(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Give every seed transition a reasoning trace (annotate.out_dir/transitions.jsonl)."""
-    from components import annotation
+    from components.simulator import annotation
 
     root = Path(root)
     trajectories = read_trajectories(root / params.data.dir / TRAJECTORIES)
@@ -212,7 +213,7 @@ def _sft_summary(result) -> str:
 def _saved_buffer(params: Params, root: Path, directory: str | Path | None = None):
     """The buffer index_buffer saved (or one saved in `directory`), with the encoder it was built with (also used to
     score similarity; the model loads on the first encoding only)."""
-    from components.replay_buffer import SentenceEncoder, load_replay_buffer
+    from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer
 
     encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
     return load_replay_buffer(root / (directory or params.buffer.out_dir), encoder)
@@ -226,9 +227,9 @@ def _experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
 
 def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """SFT the experience model (models.experience) on annotated training-task transitions: trace, then outcome."""
-    from components import experience_model as em
-    from components import sft
-    from components.annotation import read_annotated
+    from components.llm import sft
+    from components.simulator import experience_model as em
+    from components.simulator.annotation import read_annotated
 
     root, settings = Path(root), params.experience_model
     fraction = params.data.heldout_task_fraction
@@ -263,8 +264,8 @@ def train_experience_model(params: Params, root: str | Path = ".") -> dict[str, 
 
 def evaluate_experience_model(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Fidelity on held-out real transitions: the experience model against copy-nearest-neighbour and no-change."""
-    from components import experience_model as em
-    from components import fidelity
+    from components.simulator import experience_model as em
+    from components.simulator import fidelity
 
     root, settings = Path(root), params.experience_model
     heldout = fidelity.heldout_transitions(_experience_trajectories(params, root), params.data.heldout_task_fraction)
@@ -319,15 +320,16 @@ def _heldout_demonstrations(params: Params, root: Path) -> list[Trajectory]:
 
 
 def _policy_format(params: Params):
-    from components.policy import PolicyFormat
+    from components.rl.policy import PolicyFormat
 
     return PolicyFormat(**params.policy.prompt.model_dump())
 
 
 def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Warm-start the policy (models.policy) by SFT on successful seed episodes of training tasks."""
-    from components import policy, sft
-    from components.experience_model import HFGenerationBackend
+    from components.llm import sft
+    from components.llm.backends import HFGenerationBackend
+    from components.rl import policy
 
     root, settings = Path(root), params.policy.sft
     demonstrations = _demonstrations(params, _policy_trajectories(params, root, heldout=False))
@@ -363,15 +365,15 @@ def train_policy_sft(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
 def _rl_tasks(params: Params, root: Path) -> list:
     """Training tasks of the policy's environments, each with its seed first state (the synthetic reset)."""
-    from components.environments.synthetic import first_state_tasks
+    from components.simulator.synthetic import first_state_tasks
 
     tasks = first_state_tasks(_policy_trajectories(params, root, heldout=False))
     return sorted(tasks, key=lambda task: task.task_id)
 
 
 def _rl_settings(params: Params):
-    from components.rl import RLSettings
-    from components.sft import LoraSettings
+    from components.llm.sft import LoraSettings
+    from components.rl.loop import RLSettings
 
     rl = params.synthetic_rl
     return RLSettings(
@@ -384,18 +386,19 @@ def _rl_settings(params: Params):
 
 def _experience_backend(params: Params, root: Path) -> Any:
     """The trained experience model behind the configured inference backend; replies stop at their last tag."""
-    from components import experience_model as em
+    from components.simulator import experience_model as em
 
     inference, out_dir = params.experience_model.inference, params.experience_model.out_dir
     model = params.models.experience if inference.backend == "openai" else str(root / out_dir / "model")
-    return em.make_backend(inference.backend, model, inference.batch_size, inference.base_url, stop=(em.REPLY_END,))
+    return backends.make_backend(inference.backend, model, inference.batch_size, inference.base_url,
+                                 stop=(em.REPLY_END,))
 
 
 def _experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -> Any:
     """The trained experience model as a fidelity predictor (`fidelity.model_predictor`), with the prompt format and
     inference settings in params; `stats` (an `experience_model.PredictionStats`) counts its requests and fallbacks."""
-    from components import experience_model as em
-    from components import fidelity
+    from components.simulator import experience_model as em
+    from components.simulator import fidelity
 
     settings = params.experience_model
     inference = settings.inference
@@ -408,7 +411,7 @@ def _experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -
 def _success_rewards(params: Params, root: Path) -> dict[str, float]:
     """Per environment, the final reward that wins in a simulated episode: the lowest of the seed's successes on
     training tasks (held-out games only measure)."""
-    from components.contract import success_rewards
+    from components.data.contract import success_rewards
 
     fraction = params.data.heldout_task_fraction
     return success_rewards(t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
@@ -422,7 +425,7 @@ def _reward_range(params: Params) -> tuple[float, float]:
 
 def _fallback_budget(params: Params) -> Any:
     """How often the experience model may fail before a stage using it stops (experience_model.FallbackBudget)."""
-    from components.experience_model import FallbackBudget
+    from components.simulator.experience_model import FallbackBudget
 
     settings = params.experience_model
     return FallbackBudget(settings.max_fallback_rate, settings.max_backend_error_rate)
@@ -431,8 +434,8 @@ def _fallback_budget(params: Params) -> Any:
 def _synthetic_environments(params: Params, root: Path, buffer: Any, names: list[str]) -> tuple[list, Any]:
     """Synthetic environments imitating `names` (the trained experience model + `buffer`) and their shared
     prediction counters."""
-    from components import experience_model as em
-    from components.environments.synthetic import SyntheticEnvironment
+    from components.simulator import experience_model as em
+    from components.simulator.synthetic import SyntheticEnvironment
 
     experience = params.experience_model
     fmt, inference = em.PromptFormat(**experience.prompt.model_dump()), experience.inference
@@ -460,8 +463,7 @@ def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[A
     """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
     (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
     reward variance over clusters of similar tasks, since its episodes are not grouped by task."""
-    from components import experience_model as em
-    from components.curriculum import INSTRUCTION_END, Curriculum, CurriculumSettings, cluster_tasks
+    from components.rl.curriculum import INSTRUCTION_END, Curriculum, CurriculumSettings, cluster_tasks
 
     settings = params.synthetic_rl.curriculum
     clusters = None
@@ -472,12 +474,12 @@ def _curriculum(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[A
         return curriculum, None
     inference = params.experience_model.inference
     if inference.backend == "openai":
-        return curriculum, em.make_backend("openai", params.models.experience, inference.batch_size,
+        return curriculum, backends.make_backend("openai", params.models.experience, inference.batch_size,
                                            inference.base_url, stop=(INSTRUCTION_END,))
-    from components.models import resolve_model
+    from components.llm.models import resolve_model
 
     backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
-    return curriculum, em.make_backend(inference.backend, str(backbone), inference.batch_size,
+    return curriculum, backends.make_backend(inference.backend, str(backbone), inference.batch_size,
                                        stop=(INSTRUCTION_END,))
 
 
@@ -495,7 +497,7 @@ def _curriculum_sentence(curriculum: Any) -> str:
 def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """RL of the warm-started policy inside the synthetic environment (experience model + replay buffer)."""
     from components.reports import line_plot, write_csv
-    from components.rollouts import SyntheticBatch
+    from components.rl.rollouts import SyntheticBatch
 
     root, settings = Path(root), params.synthetic_rl
     tasks = _rl_tasks(params, root)
@@ -505,9 +507,9 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     buffer = _saved_buffer(params, root)  # embedded: a copy in memory; weaviate: the seed collection, copied below
     curriculum, generator = _curriculum(params, root, tasks, buffer)
     if settings.algorithm == "grpo":
-        from components.grpo import train_grpo as train
+        from components.rl.grpo import train_grpo as train
     else:
-        from components.ppo import train_ppo as train
+        from components.rl.ppo import train_ppo as train
     warm_start = str(root / params.policy.sft.out_dir / "model")
     experience = params.experience_model
     simulator = _identity(root / experience.out_dir / "model", root / params.buffer.out_dir, experience.prompt,
@@ -515,8 +517,8 @@ def synthetic_rl(params: Params, root: str | Path = ".") -> dict[str, Any]:
     if buffer.backend == "weaviate":
         # Synthetic experience never alters index_buffer's collection: the run adds to its own copy, named by what
         # resumes its checkpoints (and its out_dir), so a resumed run finds it again and no other run shares it.
-        from components.replay_buffer import run_collection_name
-        from components.rl import settings_fingerprint
+        from components.rl.loop import settings_fingerprint
+        from components.simulator.replay_buffer import run_collection_name
 
         run = settings_fingerprint(_rl_settings(params), warm_start, curriculum, simulator)
         seed, buffer = buffer, buffer.copy(run_collection_name(buffer.collection_name, f"{run}/{settings.out_dir}"))
@@ -579,11 +581,11 @@ def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
     from the warm start), on a budget of real transitions that is counted exactly and never exceeded."""
     import dataclasses
 
-    from components.curriculum import Curriculum, CurriculumSettings
-    from components.environments.registry import has_adapter, real_environment
+    from components.envs.registry import has_adapter, real_environment
     from components.reports import line_plot, write_csv
-    from components.rl import iterations_within_budget
-    from components.rollouts import RealBatch
+    from components.rl.curriculum import Curriculum, CurriculumSettings
+    from components.rl.loop import iterations_within_budget
+    from components.rl.rollouts import RealBatch
 
     root, settings = Path(root), params.sim_to_real
     model_dir = root / settings.out_dir / "model"
@@ -614,9 +616,9 @@ def sim_to_real(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
     start = {"synthetic_rl": params.synthetic_rl.out_dir, "sft": params.policy.sft.out_dir}[settings.start_from]
     if params.synthetic_rl.algorithm == "grpo":
-        from components.grpo import train_grpo as train
+        from components.rl.grpo import train_grpo as train
     else:
-        from components.ppo import train_ppo as train
+        from components.rl.ppo import train_ppo as train
     rl = dataclasses.replace(rl, iterations=iterations)
     # Real tasks cannot be invented: the curriculum is off here, the tasks are the training tasks' real games.
     result = train(str(root / start / "model"), Curriculum(tasks, CurriculumSettings(enabled=False)),
@@ -657,19 +659,20 @@ def evaluate_policies(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """The warm start, the synthetic-RL and the sim-to-real policies on held-out tasks: closed-loop success (with
     confidence intervals) in the real environment, or inside the experience model for a seed-only domain, and
     teacher-forced next-action accuracy on held-out seed episodes."""
-    from components import policy, sft
-    from components.environments.registry import has_adapter, real_environment
-    from components.environments.synthetic import first_state_tasks
-    from components.evaluation import (
+    from components.envs.registry import has_adapter, real_environment
+    from components.llm import sft
+    from components.llm.backends import HFGenerationBackend
+    from components.results.evaluation import (
         ENV_FAILURES_COLUMN,
         ENV_FAILURES_NOTE,
         evaluate_in_simulation,
         evaluate_policy,
         format_success,
     )
-    from components.experience_model import HFGenerationBackend
-    from components.rl import read_iteration_log
-    from components.rollouts import SyntheticBatch
+    from components.rl import policy
+    from components.rl.loop import read_iteration_log
+    from components.rl.rollouts import SyntheticBatch
+    from components.simulator.synthetic import first_state_tasks
 
     root, fmt = Path(root), _policy_format(params)
     rl_label = f"synthetic {params.synthetic_rl.algorithm}"
@@ -766,9 +769,9 @@ def _replay_synthetic_episodes(params: Params, root: Path,
                                environments: list[str]) -> tuple[dict[str, Any], list[Trajectory], str]:
     """Synthetic RL's episodes on real training tasks, replayed action by action in the real environment: how many
     synthetic wins the application confirms (metrics, the replays, a report section)."""
-    from components.environments.registry import real_environment
-    from components.environments.synthetic import episodes_from_buffer
-    from components.evaluation import outcome_agreement, replay_in_real
+    from components.envs.registry import real_environment
+    from components.results.evaluation import outcome_agreement, replay_in_real
+    from components.simulator.synthetic import episodes_from_buffer
 
     buffer_dir = Path(params.synthetic_rl.out_dir) / "replay_buffer"  # under root, as _saved_buffer takes it
     if not (root / buffer_dir).is_dir():
@@ -804,7 +807,7 @@ def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResul
     """Onboard the collected seed set (collect_seed's output) into the versioned data directory, superseding the
     previous collection; None when there is nothing to collect (every configured environment is a seed-only domain,
     whose data the user onboarded) and no earlier collection to remove."""
-    from components.collection import collectable
+    from components.data.collection import collectable
 
     root = Path(root)
     data_dir = root / params.data.dir

@@ -1,4 +1,5 @@
-"""The results study as a Prefect flow: every variant of components/study.py as one `dvc exp run`, then the table.
+"""The results study as a Prefect flow: every variant of components/results/study.py as one `dvc exp run`, then
+the table.
 
 Thin, like flows/pipeline.py: DVC reruns only what a variant's params change (the ablations reuse the cached
 warm start, sim-to-real variants the cached synthetic RL), each finished run's metrics are kept in
@@ -14,8 +15,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from components import study
 from components.config import active_profile, load_params
+from components.results import study
 from components.stages import StageError
 from flows.pipeline import PARAMS, run_logged
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from components.config import load_params
-from components.curriculum import Curriculum
+from components.rl.curriculum import Curriculum
 from components.stages import _curriculum, _rl_tasks
 
 params = load_params("params.yaml")

@@ -21,10 +21,10 @@ import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from components import experience_model as em
 from components.config import load_params
-from components.contract import Trajectory, read_records, transitions
-from components.fidelity import reward_correct
+from components.data.contract import Trajectory, read_records, transitions
+from components.simulator import experience_model as em
+from components.simulator.fidelity import reward_correct
 from components.stages import _experience_predictor, _saved_buffer
 
 

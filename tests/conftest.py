@@ -73,7 +73,7 @@ def set_params(project: Path, overrides: dict) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama saved as a local checkpoint: any stage that takes a model path can train and generate with it."""
-    from components.models import build_tiny_causal_lm
+    from components.llm.models import build_tiny_causal_lm
 
     directory = tmp_path_factory.mktemp("tiny-model")
     texts = ["<reasoning>The fridge opens.</reasoning><next_state>\nYou open the fridge.\n</next_state>"

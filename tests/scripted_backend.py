@@ -5,7 +5,7 @@ are tested for real and deterministically. It records every prompt it receives.
 """
 import re
 
-from components.experience_model import format_target
+from components.simulator.experience_model import format_target
 
 
 class ScriptedBackend:

@@ -143,7 +143,7 @@ def test_prune_keeps_the_most_recently_stored_runs(store, model_dir, tmp_path):
 
 
 def test_cli_lists_and_prunes_the_configured_store(tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from dreamgym.cli import main
 
     store = LocalArtifactStore(tmp_path / "artifacts")
     src = tmp_path / "a.txt"

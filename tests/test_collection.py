@@ -1,5 +1,5 @@
-"""components/collection.py: a crashed collection resumes its own finished episodes, never another's."""
-from components.collection import _load_progress
+"""components/data/collection.py: a crashed collection resumes its own finished episodes, never another's."""
+from components.data.collection import _load_progress
 from tests.seed_factory import valid_record, write_jsonl
 
 
@@ -14,8 +14,8 @@ def test_progress_is_resumed_only_by_the_same_collection(tmp_path):
 
 
 def test_skipping_expert_episodes_are_collected_as_source_policy(tmp_path):
-    from components.collection import collect_environment
     from components.config import load_params
+    from components.data.collection import collect_environment
     from tests.conftest import REPO, SMALL_RUN
 
     mix = {"expert": 0, "noisy_expert": 0, "skipping_expert": 1, "random": 0}
@@ -33,12 +33,12 @@ def test_skipping_expert_episodes_are_collected_as_source_policy(tmp_path):
 def test_environment_failures_are_played_again_then_kept_aside_and_never_onboarded(tmp_path, monkeypatch):
     """Engines that do not start in time (a busy machine) fail every play of the first episode, then start again:
     that episode is left out of the collection (its plays kept aside with their reason), the next one collected."""
-    import components.environments.textworld_cooking as tw
-    from components.collection import ENV_FAILURE_ATTEMPTS, collect_environment, env_failures_path
+    import components.envs.textworld_cooking as tw
     from components.config import load_params
-    from components.contract import TRAJECTORIES, read_trajectories
-    from components.environments.base import env_failure
-    from components.environments.registry import real_environment
+    from components.data.collection import ENV_FAILURE_ATTEMPTS, collect_environment, env_failures_path
+    from components.data.contract import TRAJECTORIES, read_trajectories
+    from components.envs.base import env_failure
+    from components.envs.registry import real_environment
     from components.stages import onboard_collected
     from tests.conftest import REPO, SMALL_RUN
 

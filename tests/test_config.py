@@ -68,7 +68,7 @@ def test_overrides_and_file_errors(tmp_path):
 
 
 def test_cli_set_overrides(tmp_path):
-    from flows.cli import main
+    from dreamgym.cli import main
 
     assert main(["--params", str(REPO_PARAMS), "--set", "data.max_text_length=10", "params", "check"]) == 0
     assert main(["--params", str(REPO_PARAMS), "--set", "data.max_text_length=ten", "params", "check"]) == 2
@@ -139,7 +139,7 @@ def test_cli_refuses_a_checkout_whose_code_python_does_not_import(tmp_path, monk
     """A clone that shares another checkout's virtual environment would run that checkout's code while DVC hashes
     its own files: the command stops and says how to run this checkout's code. Identical code (the tests' project
     copies) and a project directory without `components/` run as usual."""
-    from flows.cli import main
+    from dreamgym.cli import main
 
     repo = Path(__file__).resolve().parent.parent
     clone = tmp_path / "clone"

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from components.contract import Trajectory, read_trajectories, transitions, write_trajectories
+from components.data.contract import Trajectory, read_trajectories, transitions, write_trajectories
 from tests.seed_factory import valid_record
 
 

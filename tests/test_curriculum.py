@@ -1,4 +1,4 @@
-"""components/curriculum.py: task values, the lambda cap, task generation and validation, checkpoints, clustering.
+"""components/rl/curriculum.py: task values, the lambda cap, task generation and validation, checkpoints, clustering.
 
 `VariationBackend` is a test double for the experience-model backbone's *text* only: its replies are a fixed
 function of the prompt. The curriculum around it (prompting, parsing, validation, records) is the real one; one test
@@ -12,15 +12,15 @@ import warnings
 
 import pytest
 
-from components.contract import Task
-from components.curriculum import (
+from components.data.contract import Task
+from components.llm.backends import make_backend
+from components.rl.curriculum import (
     Curriculum,
     CurriculumSettings,
     cluster_tasks,
     read_tasks,
+    task_schedule,
 )
-from components.experience_model import make_backend
-from components.rl import RLSettings, task_schedule
 from tests.hashing_encoder import HashingEncoder
 
 ENV = "textworld-cooking"
@@ -101,8 +101,7 @@ def test_disabled_or_empty_curriculum_is_exactly_task_schedule():
     for seed in (0, 3):
         for iteration in range(5):
             for per_iteration, group_size in ((2, 4), (3, 1), (7, 2), (9, 2)):
-                settings = RLSettings(tasks_per_iteration=per_iteration, group_size=group_size, seed=seed)
-                expected = task_schedule(tasks, settings, iteration)
+                expected = task_schedule(tasks, per_iteration, group_size, seed, iteration)
                 assert disabled.tasks_for_iteration(iteration, per_iteration, group_size, seed) == expected
                 assert empty.tasks_for_iteration(iteration, per_iteration, group_size, seed) == expected
 

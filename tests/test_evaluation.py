@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from components.config import load_params
-from components.environments.base import env_failure
-from components.environments.synthetic import episodes_from_buffer
-from components.evaluation import (
+from components.envs.base import env_failure
+from components.reports import write_csv
+from components.results.evaluation import (
     ENV_FAILURES_COLUMN,
     EvaluationResult,
     evaluate_baselines,
@@ -25,9 +25,9 @@ from components.evaluation import (
     seeded_random,
     wilson_interval,
 )
-from components.replay_buffer import Retrieved
-from components.reports import write_csv
-from components.study import _read_games
+from components.results.study import _read_games
+from components.simulator.replay_buffer import Retrieved
+from components.simulator.synthetic import episodes_from_buffer
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository's own game cache: games are deterministic in their parameters, so tests share them.
@@ -80,7 +80,7 @@ def test_wilson_interval_edges() -> None:
 @pytest.fixture(scope="module")
 def textworld():
     pytest.importorskip("textworld")
-    from components.environments.registry import real_environment
+    from components.envs.registry import real_environment
 
     params = load_params(REPO / "params.yaml", TW_CACHE)
     kind = real_environment("textworld-cooking")
@@ -187,7 +187,7 @@ def test_an_engine_that_dies_mid_episode_is_counted_apart_not_as_a_loss(textworl
 
 def test_an_environment_that_fails_every_episode_stops_the_evaluation(textworld, monkeypatch) -> None:
     """Engines that never start in time: every reset fails. That is a broken environment, not a result of 0 of 0."""
-    import components.environments.textworld_cooking as tw
+    import components.envs.textworld_cooking as tw
 
     kind, params, tasks = textworld
     monkeypatch.setattr(tw, "STARTUP_TIMEOUT_S", 0.01)  # far less than a child takes to import TextWorld
@@ -265,7 +265,7 @@ def test_evaluate_baselines_metrics_and_report_with_a_skipped_domain() -> None:
 
 def test_miniwob_expert_and_random() -> None:
     pytest.importorskip("miniwob")
-    from components.environments.registry import real_environment
+    from components.envs.registry import real_environment
 
     params = load_params(REPO / "params.yaml")
     kind = real_environment("miniwob")

@@ -1,4 +1,5 @@
-"""components/annotation.py and components/experience_model.py: traces, prompt/target format, parsing, retries and
+"""components/simulator/annotation.py and components/simulator/experience_model.py: traces, prompt/target format,
+parsing, retries and
 fallback, the three inference backends' seams, and one real SFT step on the tiny model."""
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from components.annotation import (
+from components.data.contract import Step, Task, Trajectory, transitions
+from components.llm.backends import BackendError, HFGenerationBackend, OpenAICompatibleBackend, VLLMBackend
+from components.llm.models import build_tiny_causal_lm
+from components.llm.sft import (
+    LoraSettings,
+    TrainingSettings,
+    _lora_targets,
+    has_trained_model,
+    load_trained_model,
+    train_sft,
+)
+from components.simulator.annotation import (
     DETERMINISTIC,
     HFTeacher,
     annotate,
@@ -19,35 +31,21 @@ from components.annotation import (
     read_annotated,
     write_annotated,
 )
-from components.contract import Step, Task, Trajectory, transitions
-from components.experience_model import (
+from components.simulator.experience_model import (
     FALLBACK_NOTE,
     REPLY_END,
-    BackendError,
     ExperienceModelFailure,
     ExperienceQuery,
     FallbackBudget,
-    HFGenerationBackend,
-    OpenAICompatibleBackend,
     PredictionStats,
     PromptFormat,
-    VLLMBackend,
     build_messages,
     format_target,
     parse_prediction,
     predict,
     sft_examples,
 )
-from components.models import build_tiny_causal_lm
-from components.replay_buffer import FaissReplayBuffer, Retrieved
-from components.sft import (
-    LoraSettings,
-    TrainingSettings,
-    _lora_targets,
-    has_trained_model,
-    load_trained_model,
-    train_sft,
-)
+from components.simulator.replay_buffer import FaissReplayBuffer, Retrieved
 from tests.hashing_encoder import HashingEncoder
 
 TASK = Task("tw-r1-s1", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")

@@ -7,21 +7,21 @@ import importlib.util
 
 import pytest
 
-from components.annotation import annotate
-from components.contract import Step, Task, Trajectory
-from components.experience_model import (
+from components.data.contract import Step, Task, Trajectory
+from components.llm.backends import HFGenerationBackend
+from components.llm.models import PACKAGED_MODELS, load_causal_lm
+from components.llm.sft import LoraSettings, TrainingSettings, load_trained_model, train_sft
+from components.simulator.annotation import annotate
+from components.simulator.experience_model import (
     REPLY_END,
     ExperienceModelFailure,
     ExperienceQuery,
     FallbackBudget,
-    HFGenerationBackend,
     PredictionStats,
     PromptFormat,
     predict,
     sft_examples,
 )
-from components.models import PACKAGED_MODELS, load_causal_lm
-from components.sft import LoraSettings, TrainingSettings, load_trained_model, train_sft
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].package) is None,
                                 reason=PACKAGED_MODELS["smollm2-135m-instruct"].install)

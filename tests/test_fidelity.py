@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from components.contract import Step, Task, Trajectory, Transition, is_heldout_task, transitions
-from components.experience_model import Prediction
-from components.fidelity import (
+from components.data.contract import Step, Task, Trajectory, Transition, is_heldout_task, transitions
+from components.simulator.experience_model import Prediction
+from components.simulator.fidelity import (
     OVERALL,
     Guess,
     copy_nearest_neighbour,
@@ -27,7 +27,7 @@ from components.fidelity import (
     state_unchanged,
     token_f1,
 )
-from components.replay_buffer import FaissReplayBuffer
+from components.simulator.replay_buffer import FaissReplayBuffer
 from tests.hashing_encoder import HashingEncoder
 
 

@@ -1,4 +1,4 @@
-"""components/grpo.py on TRL's GRPOTrainer: a tiny real policy, the real synthetic environment with a scripted
+"""components/rl/grpo.py on TRL's GRPOTrainer: a tiny real policy, the real synthetic environment with a scripted
 experience model (tests/scripted_backend.py), a real faiss buffer."""
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from components.contract import Task
-from components.curriculum import Curriculum, CurriculumSettings
-from components.environments.synthetic import SyntheticEnvironment
-from components.experience_model import PromptFormat
-from components.grpo import train_grpo
-from components.models import build_tiny_causal_lm, load_causal_lm
-from components.policy import PolicyFormat
-from components.replay_buffer import FaissReplayBuffer
-from components.rl import CURRICULUM_FILE, LOG_FILE, RLSettings, read_iteration_log, sidecars_complete
-from components.rollouts import SyntheticBatch
-from components.sft import LoraSettings
+from components.data.contract import Task
+from components.llm.models import build_tiny_causal_lm, load_causal_lm
+from components.llm.sft import LoraSettings
+from components.rl.curriculum import Curriculum, CurriculumSettings
+from components.rl.grpo import train_grpo
+from components.rl.loop import CURRICULUM_FILE, LOG_FILE, RLSettings, read_iteration_log, sidecars_complete
+from components.rl.policy import PolicyFormat
+from components.rl.rollouts import SyntheticBatch
+from components.simulator.experience_model import PromptFormat
+from components.simulator.replay_buffer import FaissReplayBuffer
+from components.simulator.synthetic import SyntheticEnvironment
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend, ScriptedTaskWriter
 

@@ -16,9 +16,10 @@ psutil = pytest.importorskip("psutil")
 if not (Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exists()):
     pytest.skip("needs Debian chromium and chromium-driver", allow_module_level=True)
 
-from components.contract import Task  # noqa: E402
-from components.environments.base import ENV_FAILURE, env_failure  # noqa: E402
-from components.environments.miniwob import (  # noqa: E402
+from components.data.contract import Task  # noqa: E402
+from components.envs.base import ENV_FAILURE, env_failure  # noqa: E402
+from components.envs.episode import run_episode  # noqa: E402
+from components.envs.miniwob import (  # noqa: E402
     SEED_RANGES,
     TASKS,
     MiniWoB,
@@ -28,7 +29,6 @@ from components.environments.miniwob import (  # noqa: E402
     random_policy,
     render_state,
 )
-from components.environments.rollout import run_episode  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_hung_browser_step_times_out_and_env_recovers():
 
 
 def test_a_browser_gone_mid_episode_or_at_reset_is_an_environment_failure(monkeypatch):
-    import components.environments.miniwob as mw
+    import components.envs.miniwob as mw
 
     task = _task("enter-text", 12)
     with MiniWoB() as env:

@@ -1,4 +1,5 @@
-"""components/models.py: the tiny test model, the packaged offline models, and errors for names that resolve nowhere."""
+"""components/llm/models.py: the tiny test model, the packaged offline models, and errors for names that resolve
+nowhere."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components import models
 from components.files import atomic_directory
-from components.models import (
+from components.llm import models
+from components.llm.models import (
     PACKAGED_MODELS,
     ModelNotFoundError,
     build_tiny_causal_lm,

@@ -1,7 +1,7 @@
 """`dreamgym data onboard` as a user runs it: exit codes, summary, quarantine, DVC versioning."""
 import json
 
-from components.contract import read_records, write_records
+from components.data.contract import read_records, write_records
 from tests.conftest import REPO, run
 from tests.seed_factory import BREAKAGES, mixed_records, valid_record, write_jsonl
 
@@ -74,8 +74,8 @@ def test_bad_params_exit_two(project):
 
 def test_replace_mode_supersedes_stored_records(tmp_path):
     """The pipeline's re-collection replaces its earlier episodes; a user's id clash is quarantined instead."""
-    from components.onboarding import onboard
-    from components.validation import Limits
+    from components.data.onboarding import onboard
+    from components.data.validation import Limits
 
     limits = Limits(65536, (-1.0, 1.0))
     first = write_jsonl([valid_record(i) for i in range(3)], tmp_path / "a.jsonl")
@@ -94,9 +94,9 @@ def test_a_new_collection_supersedes_the_earlier_one_and_keeps_user_data(tmp_pat
     """Collected with 3 tasks, then with 2: data/ holds the 2, not the union; the user's own records stay, even one
     whose id looks collected; with only seed-only environments left, the last collection leaves data/ too."""
     from components.config import load_params
-    from components.onboarding import onboard
+    from components.data.onboarding import onboard
+    from components.data.validation import Limits
     from components.stages import onboard_collected
-    from components.validation import Limits
 
     def collected(index: int) -> dict:
         record = valid_record(index)

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from components.contract import read_trajectories
-from components.rl import TIME_SPLIT
+from components.data.contract import read_trajectories
+from components.rl.loop import TIME_SPLIT
 from components.stages import STAGES
 from tests.conftest import SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
 
@@ -116,8 +116,8 @@ def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
 def test_index_buffer_stage_saves_a_buffer_of_training_tasks(onboarded):
     """index_buffer embeds real training-task transitions (MiniLM, packaged) and saves a loadable buffer."""
     from components.config import load_params
-    from components.contract import is_heldout_task, read_trajectories
-    from components.replay_buffer import SentenceEncoder, load_replay_buffer
+    from components.data.contract import is_heldout_task, read_trajectories
+    from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer
 
     run("dreamgym", "--set", "data.heldout_task_fraction=0.3", "stage", "index_buffer", cwd=onboarded)
     metrics = json.loads((onboarded / "metrics" / "index_buffer.json").read_text())
@@ -136,7 +136,7 @@ def test_index_buffer_stage_saves_a_buffer_of_training_tasks(onboarded):
 
 
 def test_annotate_stage_traces_every_transition_deterministically(onboarded):
-    from components.annotation import read_annotated
+    from components.simulator.annotation import read_annotated
 
     run("dreamgym", "stage", "annotate", cwd=onboarded)
     path = onboarded / "annotated" / "transitions.jsonl"

@@ -1,4 +1,4 @@
-"""components/ppo.py: the pieces on hand-computed numbers, then training end to end on a tiny real policy, the real
+"""components/rl/ppo.py: the pieces on hand-computed numbers, then training end to end on a tiny real policy, the real
 synthetic environment with a scripted experience model (tests/scripted_backend.py) and a real faiss buffer."""
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from components.contract import Task
-from components.curriculum import Curriculum, CurriculumSettings
-from components.environments.synthetic import SyntheticEnvironment
-from components.experience_model import PromptFormat
-from components.models import build_tiny_causal_lm, load_causal_lm
-from components.policy import PolicyFormat
-from components.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
-from components.replay_buffer import FaissReplayBuffer
-from components.rl import LOG_FILE, RLSettings, read_iteration_log
-from components.rollouts import Episode, SyntheticBatch
-from components.sft import LoraSettings
+from components.data.contract import Task
+from components.llm.models import build_tiny_causal_lm, load_causal_lm
+from components.llm.sft import LoraSettings
+from components.rl.curriculum import Curriculum, CurriculumSettings
+from components.rl.loop import LOG_FILE, RLSettings, read_iteration_log
+from components.rl.policy import PolicyFormat
+from components.rl.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
+from components.rl.rollouts import Episode, SyntheticBatch
+from components.simulator.experience_model import PromptFormat
+from components.simulator.replay_buffer import FaissReplayBuffer
+from components.simulator.synthetic import SyntheticEnvironment
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend
 

@@ -129,7 +129,7 @@ def test_prefect_ui_lists_a_flow_run(prefect_api, tmp_path):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.wait import WebDriverWait
 
-    from components.environments.miniwob import CHROME_FLAGS, DEBIAN_BINARIES
+    from components.envs.miniwob import CHROME_FLAGS, DEBIAN_BINARIES
 
     @flow(name="ui-check")
     def ui_check() -> str:

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.contract import Step, Task, Trajectory, transitions
-from components.replay_buffer import (
+from components.data.contract import Step, Task, Trajectory, transitions
+from components.simulator.replay_buffer import (
     SYNTHETIC_KEYS,
     ContentIndex,
     FaissReplayBuffer,

@@ -14,18 +14,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from components import ppo
-from components.contract import Task
-from components.curriculum import Curriculum, CurriculumSettings
-from components.environments.base import Observation
-from components.environments.synthetic import SyntheticEnvironment
-from components.experience_model import PromptFormat
-from components.grpo import train_grpo
-from components.models import build_tiny_causal_lm, load_causal_lm
-from components.policy import PolicyFormat
-from components.ppo import train_ppo
-from components.rl import RLSettings
-from components.rollouts import ChatSegments, SyntheticBatch
+from components.data.contract import Task
+from components.envs.base import Observation
+from components.llm.models import build_tiny_causal_lm, load_causal_lm
+from components.rl import ppo
+from components.rl.curriculum import Curriculum, CurriculumSettings
+from components.rl.grpo import train_grpo
+from components.rl.loop import RLSettings
+from components.rl.policy import PolicyFormat
+from components.rl.ppo import train_ppo
+from components.rl.rollouts import ChatSegments, SyntheticBatch
+from components.simulator.experience_model import PromptFormat
+from components.simulator.synthetic import SyntheticEnvironment
 from tests.scripted_backend import ScriptedBackend
 
 ENV = "textworld-cooking"

@@ -1,4 +1,4 @@
-"""components/policy.py and components/rollouts.py: the policy's conversation format and multi-turn rollouts.
+"""components/rl/policy.py and components/rl/rollouts.py: the policy's conversation format and multi-turn rollouts.
 
 The policy is a real (tiny, random) Llama; the synthetic environment is real with a scripted experience *model*
 (tests/scripted_backend.py), so episode ends and rewards are known in advance.
@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.contract import Step, Task, Trajectory
-from components.environments.base import Observation
-from components.environments.synthetic import SyntheticEnvironment
-from components.experience_model import HFGenerationBackend, PromptFormat, format_target
-from components.models import build_tiny_causal_lm
-from components.policy import (
+from components.data.contract import Step, Task, Trajectory
+from components.envs.base import Observation
+from components.llm.backends import HFGenerationBackend
+from components.llm.models import build_tiny_causal_lm
+from components.rl.policy import (
     PolicyFormat,
     conversation,
     llm_policy,
@@ -20,7 +19,9 @@ from components.policy import (
     parse_action,
     sft_examples,
 )
-from components.rollouts import ChatSegments, RolloutStats, SyntheticBatch, rollout
+from components.rl.rollouts import ChatSegments, RolloutStats, SyntheticBatch, rollout
+from components.simulator.experience_model import PromptFormat, format_target
+from components.simulator.synthetic import SyntheticEnvironment
 from tests.scripted_backend import ScriptedBackend
 
 ENV = "textworld-cooking"
@@ -133,10 +134,10 @@ def test_an_environment_failure_in_real_rl_is_counted_apart_and_given_no_advanta
     machine). That episode ends at its first turn, marked; the iteration log counts it apart from the outcomes, GRPO
     gets its group's mean return for it (a group-relative advantage of 0) and PPO leaves it out."""
     pytest.importorskip("textworld")
-    import components.environments.textworld_cooking as tw
-    from components.environments.base import env_failure, failed_reset
-    from components.rl import iteration_record, trainable, training_returns
-    from components.rollouts import RealBatch
+    import components.envs.textworld_cooking as tw
+    from components.envs.base import env_failure, failed_reset
+    from components.rl.loop import iteration_record, trainable, training_returns
+    from components.rl.rollouts import RealBatch
     from tests.conftest import REPO
 
     cache = REPO / ".cache" / "textworld"
@@ -165,8 +166,8 @@ def test_an_environment_failure_in_real_rl_is_counted_apart_and_given_no_advanta
 
 
 def test_training_returns_give_a_failed_episode_its_groups_mean():
-    from components.rl import training_returns
-    from components.rollouts import Episode
+    from components.rl.loop import training_returns
+    from components.rl.rollouts import Episode
 
     def episode(reward: float, failure: str | None = None) -> Episode:
         return Episode(TASK, [0], rewards=[reward], done=True, env_failure=failure)

@@ -1,4 +1,4 @@
-"""components/study.py: the variants' params and the pooling of held-out episodes into the results table."""
+"""components/results/study.py: the variants' params and the pooling of held-out episodes into the results table."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from components.config import ParamsError
-from components.evaluation import wilson_interval
-from components.study import (
+from components.results.evaluation import wilson_interval
+from components.results.study import (
     aggregate,
     claim_verdicts,
     finished_runs,
@@ -23,7 +23,7 @@ from components.study import (
     success_plot,
     variants,
 )
-from flows.cli import main
+from dreamgym.cli import main
 
 
 def _evaluation(successes: int, episodes: int) -> dict:

@@ -1,4 +1,4 @@
-"""components/environments/synthetic.py: the experience-model environment, batched stepping and write-back.
+"""components/simulator/synthetic.py: the experience-model environment, batched stepping and write-back.
 
 Most tests use `ScriptedBackend`, a test double for the *model* only: its reply is a fixed function of the prompt's
 action (well-formed targets), and it records every prompt it receives. The environment, `predict`, the prompt
@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from components.contract import Step, Task, Trajectory, success_rewards, transitions
-from components.environments.rollout import run_episode
-from components.environments.synthetic import SyntheticEnvironment, add_to_buffer, record_trajectory
-from components.experience_model import (
-    FALLBACK_NOTE,
-    HFGenerationBackend,
-    PredictionStats,
-    PromptFormat,
-    format_target,
-)
-from components.models import build_tiny_causal_lm
-from components.replay_buffer import open_replay_buffer
+from components.data.contract import Step, Task, Trajectory, success_rewards, transitions
+from components.envs.episode import run_episode
+from components.llm.backends import HFGenerationBackend
+from components.llm.models import build_tiny_causal_lm
+from components.simulator.experience_model import FALLBACK_NOTE, PredictionStats, PromptFormat, format_target
+from components.simulator.replay_buffer import open_replay_buffer
+from components.simulator.synthetic import SyntheticEnvironment, add_to_buffer, record_trajectory
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend
 

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("textworld")
 
-from components.contract import Trajectory  # noqa: E402
-from components.environments.base import ENV_FAILURE, EnvironmentFailure, Observation, env_failure  # noqa: E402
-from components.environments.rollout import run_episode  # noqa: E402
-from components.environments.textworld_cooking import (  # noqa: E402
+from components.data.contract import Trajectory  # noqa: E402
+from components.envs.base import ENV_FAILURE, EnvironmentFailure, Observation, env_failure  # noqa: E402
+from components.envs.episode import run_episode  # noqa: E402
+from components.envs.textworld_cooking import (  # noqa: E402
     ENVIRONMENT,
     SEED_RANGES,
     TextWorldCooking,
@@ -248,7 +248,7 @@ def test_an_engine_that_fails_at_reset_is_an_environment_failure_of_that_episode
                                                                                  monkeypatch) -> None:
     """An engine that does not start in time (a busy machine) fails the reset: EnvironmentFailure (a task that does
     not generate stays a ValueError, above), which run_episode records as a one-step episode marked env_failure."""
-    import components.environments.textworld_cooking as tw
+    import components.envs.textworld_cooking as tw
 
     with TextWorldCooking(cache) as env:
         monkeypatch.setattr(tw, "STARTUP_TIMEOUT_S", 0.01)  # far less than a child takes to import TextWorld

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from components.validation import Limits, RawRecord, read_raw_records, validate_records
+from components.data.validation import Limits, RawRecord, read_raw_records, validate_records
 from tests.seed_factory import valid_record
 
 LIMITS = Limits(max_text_length=100, reward_range=(-1.0, 1.0))
@@ -140,7 +140,7 @@ def test_parse_failures(tmp_path):
 
 
 def test_lone_surrogates_in_info_and_parameters_are_quarantined_by_path(tmp_path):
-    from components.contract import write_trajectories
+    from components.data.contract import write_trajectories
 
     in_info, in_key, good = valid_record(6), valid_record(7), valid_record(8)
     in_info["steps"][1]["info"] = {"n": ["ok", "\ud800"]}
@@ -155,7 +155,7 @@ def test_lone_surrogates_in_info_and_parameters_are_quarantined_by_path(tmp_path
 
 
 def test_lone_surrogate_in_an_unknown_field_name_prints(tmp_path):
-    from components.onboarding import OnboardingResult
+    from components.data.onboarding import OnboardingResult
 
     record = valid_record(9)
     record["\ud800x"] = 1
@@ -207,7 +207,7 @@ def test_null_info_and_parameters_are_empty(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from components.contract import PARQUET_SCHEMA
+    from components.data.contract import PARQUET_SCHEMA
 
     record = valid_record(14)
     record["task"]["parameters"] = None

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.contract import Trajectory, write_trajectories
-from components.environments.base import check_not_all_failed, env_failure
-from components.environments.registry import has_adapter, real_environment
-from components.environments.rollout import run_episode
+from components.data.contract import Trajectory, write_trajectories
+from components.envs.base import check_not_all_failed, env_failure
+from components.envs.episode import run_episode
+from components.envs.registry import has_adapter, real_environment
 from components.files import discard_unless_stamped, sha256_file
 
 SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "skipping_expert": "policy", "random": "random"}

@@ -19,10 +19,10 @@ from statistics import NormalDist
 from typing import Any
 
 from components.config import EnvironmentsParams, Params
-from components.contract import SOURCES, Task, Trajectory
-from components.environments.base import Environment, Observation, Policy, check_not_all_failed, env_failure
-from components.environments.registry import RealEnvironment, has_adapter, real_environment
-from components.environments.rollout import run_episode
+from components.data.contract import SOURCES, Task, Trajectory
+from components.envs.base import Environment, Observation, Policy, check_not_all_failed, env_failure
+from components.envs.episode import run_episode
+from components.envs.registry import RealEnvironment, has_adapter, real_environment
 from components.reports import markdown_table
 
 PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
@@ -199,7 +199,7 @@ def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[T
     The closed-loop measure a seed-only domain has: success is the experience model's verdict, so this scores the
     policy against the simulator, not the application (report it as such). All tasks play at once, batched.
     """
-    from components.rollouts import rollout
+    from components.rl.rollouts import rollout
 
     started = time.monotonic()
     episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=max_turns, max_action_tokens=max_action_tokens,

@@ -10,12 +10,12 @@ highest at 50/50. Each iteration:
    tasks (same action types, changed constraints, goals or context). Replies are validated (parseable, non-empty,
    length-bounded, not a duplicate) and become new task records; rejected replies are counted by reason, never raised.
 3. `tasks_for_iteration(...)` picks the next iteration's tasks: at most floor(lambda * tasks_per_iteration) generated
-   ones, the rest from the base tasks exactly as `rl.task_schedule` picks them.
+   ones, the rest from the base tasks exactly as `task_schedule` picks them.
 
 A generated task keeps its parent's parameters (so the synthetic environment resets it to the parent's
 `initial_state`) and adds `parent_task_id` and `generated_at_iteration`: with `write_tasks` these JSONL records are
 the versioned output of the curriculum. With `enabled` off (the ablation) nothing is generated and the schedule is
-`rl.task_schedule`'s, episode for episode. The whole state is a JSON-able dict (`state_dict`), so a checkpoint stores
+`task_schedule`'s, episode for episode. The whole state is a JSON-able dict (`state_dict`), so a checkpoint stores
 it and a resumed run makes the same choices.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -33,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from components.contract import Task, file_format, read_records, write_records
-from components.experience_model import ExperienceModelBackend, Message, clip
-from components.replay_buffer import Encoder
-from components.rl import RLSettings, task_schedule
+from components.data.contract import Task, file_format, read_records, write_records
+from components.llm.backends import GenerationBackend, Message
+from components.simulator.experience_model import clip
+from components.simulator.replay_buffer import Encoder
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ REJECTIONS_KEPT = 100  # the most recent rejected replies kept for the report (t
 
 @dataclass(frozen=True)
 class CurriculumSettings:
-    enabled: bool = True  # off: the ablation, plain `rl.task_schedule` over the base tasks
+    enabled: bool = True  # off: the ablation, plain `task_schedule` over the base tasks
     top_tasks: int = 2  # highest-variance tasks varied per iteration
     variations_per_task: int = 1
     max_generated_share: float = 0.5  # lambda: at most this share of an iteration's tasks are generated ones
@@ -61,6 +62,15 @@ class CurriculumSettings:
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_generated_share <= 1.0:
             raise ValueError(f"max_generated_share must be in [0, 1], got {self.max_generated_share}")
+
+
+def task_schedule(tasks: list[Task], tasks_per_iteration: int, group_size: int, seed: int,
+                  iteration: int) -> list[Task]:
+    """The base tasks of one iteration, each repeated `group_size` times; a fixed function of (seed, iteration), so a
+    resumed run plays the same tasks an uninterrupted one would."""
+    rng = random.Random(f"{seed}-{iteration}")
+    chosen = rng.sample(tasks, min(tasks_per_iteration, len(tasks)))
+    return [task for task in chosen for _ in range(group_size)]
 
 
 # ---- task records ---------------------------------------------------------------------------------------------
@@ -138,18 +148,15 @@ class Curriculum:
     # -- choosing an iteration's tasks --
     def tasks_for_iteration(self, iteration: int, tasks_per_iteration: int, group_size: int,
                             seed: int) -> list[Task]:
-        """The iteration's tasks, each repeated `group_size` times in a row (the shape of `rl.task_schedule`).
+        """The iteration's tasks, each repeated `group_size` times in a row (the shape of `task_schedule`).
 
         At most floor(lambda * tasks_per_iteration) are generated tasks: first those never played (newest first),
         then played ones that still have reward variance (highest first). The rest are base tasks, chosen by
-        `rl.task_schedule` itself; with the curriculum off or nothing generated, that is the whole schedule.
+        `task_schedule` itself; with the curriculum off or nothing generated, that is the whole schedule.
         """
-        def schedule(count: int) -> list[Task]:
-            settings = RLSettings(tasks_per_iteration=count, group_size=group_size, seed=seed)
-            return task_schedule(self.base_tasks, settings, iteration)
-
         picked = self.generated_picks(tasks_per_iteration) if self.settings.enabled else []
-        return schedule(tasks_per_iteration - len(picked)) + [task for task in picked for _ in range(group_size)]
+        base = task_schedule(self.base_tasks, tasks_per_iteration - len(picked), group_size, seed, iteration)
+        return base + [task for task in picked for _ in range(group_size)]
 
     def generated_picks(self, tasks_per_iteration: int) -> list[Task]:
         # 1e-9: 0.29 * 100 is 28.999999999999996 in floating point, and the cap means 29
@@ -195,7 +202,7 @@ class Curriculum:
         return [self.tasks_by_id[i] for i in candidates[: self.settings.top_tasks]]
 
     # -- generating tasks --
-    def propose(self, backend: ExperienceModelBackend, iteration: int) -> list[Task]:
+    def propose(self, backend: GenerationBackend, iteration: int) -> list[Task]:
         """Variations of `hardest_tasks()` from one batched `generate` call; returns the accepted new tasks."""
         parents = self.hardest_tasks() if self.settings.enabled else []
         parents = [p for p in parents for _ in range(self.settings.variations_per_task)]

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from components.contract import Task, Trajectory, read_records, write_records
+from components.data.contract import Task, Trajectory, read_records, write_records
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class Teacher(Protocol):
 
 
 class _BackendTeacher:
-    """A teacher over any generation backend of `components.experience_model` (HF, OpenAI-compatible, vLLM)."""
+    """A teacher over any generation backend (`components.llm.backends`: HF, OpenAI-compatible, vLLM)."""
 
     def __init__(self, name: str, backend: Any, max_new_tokens: int = 160) -> None:
         self.name = name
@@ -275,8 +275,8 @@ def HFTeacher(  # noqa: N802  (a factory that reads like the class it stands for
     max_new_tokens: int = 160,
 ) -> _BackendTeacher:
     """A Hugging Face model (packaged alias, hub id or local path) as teacher, with batched greedy generation."""
-    from components.experience_model import HFGenerationBackend
-    from components.models import load_causal_lm
+    from components.llm.backends import HFGenerationBackend
+    from components.llm.models import load_causal_lm
 
     lm, tokenizer = load_causal_lm(model, cache_dir=cache_dir, dtype=dtype)  # type: ignore[arg-type]
     return _BackendTeacher(f"hf:{model}", HFGenerationBackend(lm, tokenizer, batch_size=batch_size), max_new_tokens)
@@ -290,7 +290,7 @@ def OpenAICompatibleTeacher(  # noqa: N802
     concurrency: int = 4,
 ) -> _BackendTeacher:
     """Any OpenAI-compatible chat-completions endpoint as teacher; the key (if any) comes from `api_key_env`."""
-    from components.experience_model import OpenAICompatibleBackend
+    from components.llm.backends import OpenAICompatibleBackend
 
     backend = OpenAICompatibleBackend(base_url, model, api_key=os.environ.get(api_key_env), concurrency=concurrency)
     return _BackendTeacher(f"openai:{model}", backend, max_new_tokens)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from components.config import ParamsError
-from components.evaluation import wilson_interval
 from components.files import atomic_directory
 from components.reports import (
     GAMES_FILE,
@@ -33,6 +32,7 @@ from components.reports import (
     write_csv,
     write_stage_outputs,
 )
+from components.results.evaluation import wilson_interval
 
 
 @dataclass(frozen=True)

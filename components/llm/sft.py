@@ -109,7 +109,7 @@ def train_sft(
     from transformers.trainer_utils import get_last_checkpoint
     from trl import SFTConfig, SFTTrainer
 
-    from components.models import CHATML_TEMPLATE, load_causal_lm
+    from components.llm.models import CHATML_TEMPLATE, load_causal_lm
 
     output_dir = Path(output_dir)
     checkpoints = output_dir / "checkpoints"
@@ -307,7 +307,7 @@ def load_trained_model(
     model_dir: str | Path, dtype: Literal["float32", "bfloat16"] = "float32", device: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load what `train_sft` saved: a plain (merged or fully fine-tuned) model, or a LoRA adapter."""
-    from components.models import load_causal_lm
+    from components.llm.models import load_causal_lm
 
     model_dir = Path(model_dir)
     if not (model_dir / "adapter_config.json").is_file():

@@ -49,8 +49,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from components.contract import Task
-from components.environments.base import (
+from components.data.contract import Task
+from components.envs.base import (
     ENV_FAILURE,
     Environment,
     EnvironmentFailure,

@@ -1,6 +1,6 @@
 """What the RL algorithms share: settings, the per-iteration record, and checkpoint side-cars.
 
-GRPO (components/grpo.py) and PPO (components/ppo.py) both train the warm-started policy on multi-turn episodes
+GRPO (components/rl/grpo.py) and PPO (components/rl/ppo.py) both train the warm-started policy on multi-turn episodes
 from `play_iteration`: the curriculum's tasks for the iteration (`tasks_per_iteration` tasks x `group_size`
 episodes), their trajectories appended to the replay buffer as synthetic experience, the curriculum's variance
 bookkeeping and new task variations; then one policy update. Every `save_every` iterations a checkpoint holds the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
 import time
 from collections.abc import Callable
@@ -24,18 +23,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from components.contract import Task
-from components.environments.base import check_not_all_failed
-from components.environments.synthetic import add_to_buffer
+from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
-from components.replay_buffer import ReplayBuffer, WeaviateReplayBuffer, load_replay_buffer
-from components.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
-from components.sft import LoraSettings
+from components.llm.sft import LoraSettings
+from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
+from components.simulator.replay_buffer import ReplayBuffer, WeaviateReplayBuffer, load_replay_buffer
+from components.simulator.synthetic import add_to_buffer
 
 if TYPE_CHECKING:  # curriculum.py builds on this module
-    from components.curriculum import Curriculum
-    from components.experience_model import ExperienceModelBackend
-    from components.policy import PolicyFormat
+    from components.llm.backends import GenerationBackend
+    from components.rl.curriculum import Curriculum
+    from components.rl.policy import PolicyFormat
 
 BUFFER_DIR, LOG_FILE, CURRICULUM_FILE = "replay_buffer", "iterations.jsonl", "curriculum.json"
 log = logging.getLogger(__name__)
@@ -135,14 +133,6 @@ def training_returns(episodes: list[Episode], group_size: int) -> list[float]:
     return returns
 
 
-def task_schedule(tasks: list[Task], settings: RLSettings, iteration: int) -> list[Task]:
-    """The tasks of one iteration, each repeated `group_size` times; a fixed function of (seed, iteration), so a
-    resumed run plays the same tasks an uninterrupted one would."""
-    rng = random.Random(f"{settings.seed}-{iteration}")
-    chosen = rng.sample(tasks, min(settings.tasks_per_iteration, len(tasks)))
-    return [task for task in chosen for _ in range(settings.group_size)]
-
-
 def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
     """How many iterations a budget of environment transitions pays for, at most `settings.iterations`.
 
@@ -155,7 +145,7 @@ def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
 
 
 def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeBatch], curriculum: Curriculum,
-                   generator: ExperienceModelBackend | None, buffer: ReplayBuffer | None, fmt: PolicyFormat,
+                   generator: GenerationBackend | None, buffer: ReplayBuffer | None, fmt: PolicyFormat,
                    settings: RLSettings, iteration: int) -> tuple[list[Episode], RolloutStats, dict[str, Any]]:
     """One iteration's experience (0-based `iteration`): the curriculum's tasks, `group_size` episodes each, played
     in the synthetic environment and appended to the replay buffer; then the curriculum records each group's reward

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from components.config import ParamsError, load_params
-from components.experience_model import ExperienceModelFailure
+from components.simulator.experience_model import ExperienceModelFailure
 from components.stages import STAGES, StageError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2  # onboarding: 1 also means "some records were quarantined"
@@ -136,8 +136,8 @@ def _overrides(items: list[str]) -> dict:
 
 
 def _onboard(args: argparse.Namespace, params) -> int:
-    from components.onboarding import onboard
-    from components.validation import Limits, UnusableInput
+    from components.data.onboarding import onboard
+    from components.data.validation import Limits, UnusableInput
 
     try:
         result = onboard(args.paths, args.data_dir or params.data.dir, Limits.of(params.data),
@@ -190,7 +190,7 @@ def _artifacts(args: argparse.Namespace, params) -> int:
 
 
 def _study_report(params) -> int:
-    from components import study
+    from components.results import study
 
     results_dir = Path(params.study.results_dir)
     try:

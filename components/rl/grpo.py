@@ -23,11 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components.curriculum import Curriculum
-from components.experience_model import ExperienceModelBackend
-from components.policy import PolicyFormat
-from components.replay_buffer import ReplayBuffer
-from components.rl import (
+from components.llm.backends import GenerationBackend
+from components.llm.sft import load_trained_model, lora_config
+from components.rl.curriculum import Curriculum
+from components.rl.loop import (
     RLResult,
     RLSettings,
     iteration_record,
@@ -39,8 +38,9 @@ from components.rl import (
     start_run,
     training_returns,
 )
-from components.rollouts import EpisodeBatch, RolloutStats
-from components.sft import load_trained_model, lora_config
+from components.rl.policy import PolicyFormat
+from components.rl.rollouts import EpisodeBatch, RolloutStats
+from components.simulator.replay_buffer import ReplayBuffer
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.x
@@ -88,7 +88,7 @@ def grpo_config(settings: RLSettings, output_dir: str | Path, **overrides: Any) 
 
 def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
                buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
-               cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None,
+               cache_dir: str | Path = ".cache/models", generator: GenerationBackend | None = None,
                environment: str = "") -> RLResult:
     """Train `policy_model` (the warm start) with GRPO on episodes from `make_batch()` over the curriculum's tasks
     (`generator` writes the curriculum's task variations; None: no new tasks).
@@ -102,7 +102,7 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from components.models import load_causal_lm
+    from components.llm.models import load_causal_lm
 
     if settings.episodes_per_iteration % settings.micro_batch_size:
         raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "

@@ -15,7 +15,7 @@ The MDP is turn-level: a state is the token sequence up to a decision point, an 
    gradients accumulate over the iteration): per-token clipped surrogate on the policy's tokens only, plus
    `beta` x KL to the reference (k3 estimator), plus `value_coef` x MSE of the values to the returns.
 
-Layout and resuming mirror components/grpo.py: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer,
+Layout and resuming mirror components/rl/grpo.py: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer,
 RNG states, then the replay buffer, curriculum and iteration log as of iteration N), `out_dir/model` the merged
 final policy.
 """
@@ -30,12 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from components.curriculum import Curriculum
-from components.experience_model import ExperienceModelBackend
 from components.files import atomic_directory
-from components.policy import PolicyFormat
-from components.replay_buffer import ReplayBuffer
-from components.rl import (
+from components.llm.backends import GenerationBackend
+from components.rl.curriculum import Curriculum
+from components.rl.loop import (
     RLResult,
     RLSettings,
     checkpoint_number,
@@ -48,7 +46,9 @@ from components.rl import (
     start_run,
     trainable,
 )
-from components.rollouts import Episode, EpisodeBatch
+from components.rl.policy import PolicyFormat
+from components.rl.rollouts import Episode, EpisodeBatch
+from components.simulator.replay_buffer import ReplayBuffer
 
 if TYPE_CHECKING:  # torch and transformers take seconds to import: only the functions that need them do
     import torch
@@ -282,7 +282,7 @@ def load_policy(policy_model: str, settings: RLSettings, cache_dir: str | Path, 
     resuming) and a frozen copy of the warm start is kept as the reference when `beta` > 0."""
     import torch
 
-    from components.models import load_causal_lm
+    from components.llm.models import load_causal_lm
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
     if settings.lora is None:
@@ -295,7 +295,7 @@ def load_policy(policy_model: str, settings: RLSettings, cache_dir: str | Path, 
 
     from peft import PeftModel, get_peft_model
 
-    from components.sft import lora_config
+    from components.llm.sft import lora_config
 
     if resume is not None:
         return PeftModel.from_pretrained(model, resume, is_trainable=True), tokenizer, None
@@ -381,7 +381,7 @@ def load_checkpoint(checkpoint: Path, value_head: torch.nn.Linear, optimizer: to
 
 def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
               buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
-              cache_dir: str | Path = ".cache/models", generator: ExperienceModelBackend | None = None,
+              cache_dir: str | Path = ".cache/models", generator: GenerationBackend | None = None,
               environment: str = "") -> RLResult:
     """Train `policy_model` (the warm start) with PPO on episodes from `make_batch()` over the curriculum's tasks
     (`generator` writes the curriculum's task variations; None: no new tasks). PPO has no groups of one task:

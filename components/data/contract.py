@@ -2,7 +2,7 @@
 
 One JSON object per line (JSONL), or the same columns in Parquet where the free-form objects `parameters` and
 `info` are stored as JSON text (Parquet has no schemaless map). These readers trust their input: untrusted user
-files go through `components.onboarding`, which validates every record first.
+files go through `components.data.onboarding`, which validates every record first.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from components.contract import Step, Task, Trajectory
+from components.data.contract import Step, Task, Trajectory
 
 Split = Literal["train", "heldout"]
 ENV_FAILURE = "env_failure"  # info key of the step an environment failure ended: why

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from components.contract import Step, Task, Trajectory
-from components.environments.base import (
+from components.data.contract import Step, Task, Trajectory
+from components.envs.base import (
     ENV_FAILURE,
     Environment,
     EnvironmentFailure,
@@ -28,8 +28,8 @@ from components.environments.base import (
     StepResult,
     failed_reset,
 )
-from components.environments.synthetic import SyntheticEnvironment, record_trajectory
-from components.policy import SYSTEM, PolicyFormat, parse_action, state_message
+from components.rl.policy import SYSTEM, PolicyFormat, parse_action, state_message
+from components.simulator.synthetic import SyntheticEnvironment, record_trajectory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -62,8 +62,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.wait import WebDriverWait
 
-from components.contract import Task
-from components.environments.base import (
+from components.data.contract import Task
+from components.envs.base import (
     ENV_FAILURE,
     Environment,
     EnvironmentFailure,

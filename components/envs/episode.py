@@ -1,8 +1,8 @@
 """Run one episode of a policy in an environment and record it as a contract Trajectory."""
 from __future__ import annotations
 
-from components.contract import Step, Task, Trajectory
-from components.environments.base import Environment, EnvironmentFailure, Policy, failed_reset
+from components.data.contract import Step, Task, Trajectory
+from components.envs.base import Environment, EnvironmentFailure, Policy, failed_reset
 
 
 def run_episode(env: Environment, task: Task, policy: Policy, *, max_steps: int, trajectory_id: str,

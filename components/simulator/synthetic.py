@@ -19,16 +19,11 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from components.contract import Step, Task, Trajectory, is_success, transitions
-from components.environments.base import Environment, Observation, StepResult
-from components.experience_model import (
-    ExperienceModelBackend,
-    ExperienceQuery,
-    PredictionStats,
-    PromptFormat,
-    predict,
-)
-from components.replay_buffer import ReplayBuffer, Retrieved
+from components.data.contract import Step, Task, Trajectory, is_success, transitions
+from components.envs.base import Environment, Observation, StepResult
+from components.llm.backends import GenerationBackend
+from components.simulator.experience_model import ExperienceQuery, PredictionStats, PromptFormat, predict
+from components.simulator.replay_buffer import ReplayBuffer, Retrieved
 
 
 @dataclass
@@ -52,7 +47,7 @@ class SyntheticEnvironment(Environment):
     def __init__(
         self,
         name: str,
-        backend: ExperienceModelBackend,
+        backend: GenerationBackend,
         buffer: ReplayBuffer | None,
         fmt: PromptFormat,
         *,

@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from components.contract import SOURCES, Trajectory, file_format
+from components.data.contract import SOURCES, Trajectory, file_format
 
 MISSING, NULL, NOT_APPLICABLE = "missing", "null", "n/a"  # pseudo JSON types in the *_type columns
 TRAJECTORY_FIELDS = {"trajectory_id": "string", "task": "object", "steps": "array", "success": "boolean",
@@ -150,7 +150,7 @@ def _depth(value: Any) -> int:
 
 
 def _read_parquet(path: Path) -> list[RawRecord]:
-    from components.contract import read_records  # the contract owns the Parquet encoding of objects
+    from components.data.contract import read_records  # the contract owns the Parquet encoding of objects
 
     try:
         rows = list(read_records(path))

@@ -26,7 +26,7 @@ With use_reasoning off the reasoning section is absent. Reasoning comes first so
 conditioned on it: that is the paper's joint objective, and the loss covers the whole reply (prompt tokens masked).
 `format_target` and `parse_prediction` are exact inverses (a state round-trips byte for byte).
 
-Inference goes through `ExperienceModelBackend.generate` (Hugging Face batched `generate` by default; vLLM and any
+Inference goes through `GenerationBackend.generate` (Hugging Face batched `generate` by default; vLLM and any
 OpenAI-compatible endpoint behind the same seam). `predict` never raises on bad model output: it retries unparsable
 replies (and rewards outside the configured range) with sampling, then falls back (see `fallback_prediction`) and
 counts it in `PredictionStats`. A stage then holds the run to a `FallbackBudget`: a simulator that mostly falls back
@@ -34,32 +34,24 @@ is the state-unchanged baseline under another name, and the stage fails saying s
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
-import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING
 
-from components.annotation import AnnotatedTransition
-from components.contract import Task, is_lookalike, is_outcome, rewarded_commands
-from components.replay_buffer import ReplayBuffer, Retrieved
+from components.data.contract import Task, is_lookalike, is_outcome, rewarded_commands
+from components.llm.backends import BackendError, GenerationBackend, Message
+from components.simulator.annotation import AnnotatedTransition
+from components.simulator.replay_buffer import ReplayBuffer, Retrieved
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers, datasets) happen inside the functions that need them
     from datasets import Dataset
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]
-Prompt = str | list[Message]  # a rendered prompt string, or chat messages to render with the chat template
 
 
 # ---- settings -------------------------------------------------------------------------------------------------
@@ -265,195 +257,6 @@ def sft_examples(
     return Dataset.from_list(rows)
 
 
-# ---- inference backends ---------------------------------------------------------------------------------------
-
-
-class BackendError(RuntimeError):
-    """A backend could not produce replies at all (an endpoint down, a refused request)."""
-
-
-class ExperienceModelBackend(Protocol):
-    """Turns prompts into replies, one per prompt, in order. Chat messages get the model's chat template."""
-
-    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float) -> list[str]: ...
-
-
-class HFGenerationBackend:
-    """Batched `model.generate` with left padding: the default, on CPU or one GPU.
-
-    Prompts are sorted by length before batching, so each batch pads little; replies come back in input order.
-    temperature 0 is greedy decoding (reproducible); above 0 samples.
-    """
-
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 8,
-                 stop: Sequence[str] = ()) -> None:
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.stop = list(stop)  # a reply ends at the first of these (kept): tokens after it would be thrown away
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-
-    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
-        import torch
-
-        encoded = [self._encode(p) for p in prompts]
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-        replies: list[str] = [""] * len(encoded)
-        self.model.eval()
-        started, batches = time.monotonic(), math.ceil(len(order) / self.batch_size)
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start: start + self.batch_size]
-            inputs = self.tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding_side="left",
-                                        return_tensors="pt").to(self.model.device)
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
-                if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-            stopping = {"stop_strings": self.stop, "tokenizer": self.tokenizer} if self.stop else {}
-            with torch.inference_mode():
-                output = self.model.generate(**inputs, max_new_tokens=max_new_tokens,
-                                             pad_token_id=self.tokenizer.pad_token_id, **sampling, **stopping)
-            new_tokens = output[:, inputs["input_ids"].shape[1]:]
-            for i, text in zip(batch, self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
-                replies[i] = text
-            if batches > 1:
-                done = start // self.batch_size + 1
-                elapsed = time.monotonic() - started
-                log.info("generated batch %d/%d (%d new tokens max) | %.1fs/batch, ETA %.0fs", done, batches,
-                         new_tokens.shape[1], elapsed / done, elapsed / done * (batches - done))
-        return replies
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):  # already a full prompt: the tokenizer adds BOS where the model wants one
-            return self.tokenizer(prompt)["input_ids"]
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has them
-
-
-class OpenAICompatibleBackend:
-    """Any OpenAI-compatible server (vLLM `serve`, TGI, llama.cpp server, a hosted API) over plain HTTP.
-
-    Chat messages go to `{base_url}/chat/completions`, plain strings to `{base_url}/completions`. Requests run
-    `concurrency` at a time, since servers batch concurrent requests themselves. Connection errors, timeouts, 429
-    and 5xx are retried with exponential backoff; other HTTP errors (a wrong model name, a bad key) fail at once.
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        api_key: str | None = None,
-        timeout_s: float = 120.0,
-        max_retries: int = 3,
-        concurrency: int = 8,
-        backoff_s: float = 1.0,
-        stop: Sequence[str] = (),
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.stop = list(stop)  # the API's `stop`: servers leave the stop string out, so it is put back
-        self.model = model
-        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
-        self.timeout_s, self.max_retries, self.concurrency = timeout_s, max_retries, concurrency
-        self.backoff_s = backoff_s
-
-    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
-        def one(prompt: Prompt) -> str:
-            body: dict[str, Any] = {"model": self.model, "max_tokens": max_new_tokens, "temperature": temperature}
-            if self.stop:
-                body["stop"] = self.stop
-            if isinstance(prompt, str):
-                choice = self._post("/completions", {**body, "prompt": prompt})["choices"][0]
-                return _with_stop(choice["text"] or "", choice, self.stop)
-            choice = self._post("/chat/completions", {**body, "messages": prompt})["choices"][0]
-            return _with_stop(choice["message"]["content"] or "", choice, self.stop)
-
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            return list(pool.map(one, prompts))
-
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), headers, method="POST")
-        for attempt in range(self.max_retries + 1):
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as error:
-                if error.code != 429 and error.code < 500 or attempt == self.max_retries:
-                    detail = error.read()[:500].decode(errors="replace")
-                    raise BackendError(f"{self.base_url}{path}: HTTP {error.code}: {detail}") from error
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-                if attempt == self.max_retries:
-                    raise BackendError(f"{self.base_url}{path}: {error}") from error
-            time.sleep(min(self.backoff_s * 2.0**attempt, 30.0))
-        raise AssertionError("unreachable")
-
-
-def _with_stop(text: str, choice: dict[str, Any], stop: Sequence[str]) -> str:
-    """OpenAI-style servers cut the stop string off; with one stop string it is known and goes back on, so a
-    reply reads the same from every backend (`</done>` closes the experience model's format)."""
-    if choice.get("finish_reason") == "stop" and len(stop) == 1 and not text.endswith(stop[0]):
-        return text + stop[0]
-    return text
-
-
-class VLLMBackend:
-    """vLLM offline inference (GPU): `LLM(model_dir).chat(...)`. A seam for machines that have vLLM installed.
-
-    vLLM is imported only here, so the rest of the project never needs it. To share one served model among many
-    rollout workers instead, run `vllm serve MODEL_DIR` and use `OpenAICompatibleBackend("http://host:8000/v1", ...)`.
-    """
-
-    def __init__(self, model: str, stop: Sequence[str] = (), **engine_kwargs: Any) -> None:
-        self.stop = list(stop)
-        try:
-            from vllm import LLM
-        except ImportError as error:
-            raise ImportError(
-                "the 'vllm' backend needs the vllm package and a GPU: pip install vllm "
-                "(or serve the model elsewhere and use the 'openai' backend)"
-            ) from error
-        self.llm = LLM(model=model, **engine_kwargs)
-
-    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop=self.stop or None,
-                                include_stop_str_in_output=True)
-        replies: list[str] = [""] * len(prompts)
-        chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
-        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        if chats:
-            for i, out in zip(chats, self.llm.chat([prompts[i] for i in chats], params), strict=True):
-                replies[i] = out.outputs[0].text
-        if texts:
-            for i, out in zip(texts, self.llm.generate([prompts[i] for i in texts], params), strict=True):
-                replies[i] = out.outputs[0].text
-        return replies
-
-
-def make_backend(
-    kind: Literal["hf", "vllm", "openai"],
-    model: str,
-    batch_size: int = 8,
-    base_url: str | None = None,
-    dtype: Literal["float32", "bfloat16"] = "float32",
-    stop: Sequence[str] = (),
-) -> ExperienceModelBackend:
-    """The backend params.yaml names: `model` is a trained model directory (hf, vllm) or the served name (openai).
-    `stop`: strings that end a reply (e.g. the closing tag of the expected format), kept in the reply."""
-    if kind == "hf":
-        from components.sft import load_trained_model
-
-        lm, tokenizer = load_trained_model(model, dtype=dtype)
-        return HFGenerationBackend(lm, tokenizer, batch_size=batch_size, stop=stop)
-    if kind == "vllm":
-        return VLLMBackend(model, stop=stop)
-    if kind == "openai":
-        if not base_url:
-            raise ValueError("the 'openai' backend needs base_url (e.g. http://127.0.0.1:8000/v1)")
-        return OpenAICompatibleBackend(base_url, model, stop=stop)
-    raise ValueError(f"unknown backend {kind!r}: expected 'hf', 'vllm' or 'openai'")
-
-
 # ---- prediction with retries and fallback ---------------------------------------------------------------------
 
 # Appended to the unchanged state when the model gave nothing usable. The policy sees an environment that did not
@@ -555,7 +358,7 @@ def _preview(reply: str, limit: int = 200) -> str:
 
 
 def predict(
-    backend: ExperienceModelBackend,
+    backend: GenerationBackend,
     queries: Sequence[ExperienceQuery],
     fmt: PromptFormat,
     retries: int = 1,

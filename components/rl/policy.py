@@ -7,7 +7,7 @@ environment, and evaluation, so what the policy learns in one place holds in the
 
 History is bounded by the episode's turn limit and by clipping each state to `max_state_chars` (head and tail:
 states put the goal first and the inventory last). The whole conversation is kept rather than a sliding window
-because GRPO trains on one token sequence per episode (see components/grpo.py): a window would make the context
+because GRPO trains on one token sequence per episode (see components/rl/grpo.py): a window would make the context
 the policy acted on differ from the one it is trained on.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from components.contract import Task, Trajectory
-from components.environments.base import Environment, Observation, Policy
-from components.experience_model import HFGenerationBackend, Message, clip
+from components.data.contract import Task, Trajectory
+from components.envs.base import Environment, Observation, Policy
+from components.llm.backends import HFGenerationBackend, Message
+from components.simulator.experience_model import clip
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.contract import QUARANTINE, TASKS, TRAJECTORIES, read_records, write_records
-from components.validation import Limits, Rejected, read_raw_records, validate_records
+from components.data.contract import QUARANTINE, TASKS, TRAJECTORIES, read_records, write_records
+from components.data.validation import Limits, Rejected, read_raw_records, validate_records
 
 
 @dataclass

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from components.contract import Task
-from components.environments.base import Environment, Observation, Policy, Split
+from components.data.contract import Task
+from components.envs.base import Environment, Observation, Policy, Split
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def _mix(expert: Policy, explorer: Policy, epsilon: float, rng: random.Random) -
 
 
 def _textworld() -> RealEnvironment:
-    from components.environments import textworld_cooking as tw
+    from components.envs import textworld_cooking as tw
 
     return RealEnvironment(
         name=tw.ENVIRONMENT,
@@ -52,7 +52,7 @@ def _textworld() -> RealEnvironment:
 
 
 def _miniwob() -> RealEnvironment:
-    from components.environments import miniwob as mw
+    from components.envs import miniwob as mw
 
     return RealEnvironment(
         name="miniwob",

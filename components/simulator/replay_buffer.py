@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from components.contract import Transition
+from components.data.contract import Transition
 from components.files import atomic_directory
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class SentenceEncoder:
     @property
     def model(self) -> SentenceTransformer:
         if self._model is None:
-            from components.models import load_sentence_embedder
+            from components.llm.models import load_sentence_embedder
 
             self._model = load_sentence_embedder(self.name, self.cache_dir)
         return self._model

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from components.contract import (
+from components.data.contract import (
     Trajectory,
     Transition,
     is_heldout_task,
@@ -49,8 +49,9 @@ from components.contract import (
 )
 
 if TYPE_CHECKING:
-    from components.experience_model import ExperienceModelBackend, PromptFormat
-    from components.replay_buffer import Encoder, ReplayBuffer
+    from components.llm.backends import GenerationBackend
+    from components.simulator.experience_model import PromptFormat
+    from components.simulator.replay_buffer import Encoder, ReplayBuffer
 
 OVERALL = "overall"
 
@@ -238,7 +239,7 @@ def _vote(values: list[Any]) -> Any:
     return Counter(values).most_common(1)[0][0]
 
 
-def model_predictor(backend: ExperienceModelBackend, fmt: PromptFormat, buffer: ReplayBuffer | None = None,
+def model_predictor(backend: GenerationBackend, fmt: PromptFormat, buffer: ReplayBuffer | None = None,
                     **predict_kwargs: Any) -> Predictor:
     """The trained experience model as a predictor, with the same signature as the baselines.
 
@@ -248,7 +249,7 @@ def model_predictor(backend: ExperienceModelBackend, fmt: PromptFormat, buffer: 
     the format's switches: evaluate the model trained with and without `use_retrieval` / `use_reasoning`, each
     with the format it was trained with.
     """
-    from components.experience_model import ExperienceQuery, predict
+    from components.simulator.experience_model import ExperienceQuery, predict
 
     def run(transitions_: list[Transition]) -> list[PredictionLike]:
         examples: list[Sequence[Any]] = [()] * len(transitions_)

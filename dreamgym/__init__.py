@@ -1,0 +1,1 @@
+"""The `dreamgym` command: onboarding, params, stages, flows, deployments and the results study."""
