@@ -41,8 +41,8 @@ def unit_vectors(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def records(start: int, stop: int) -> list[Retrieved]:
     """Short synthetic metadata: 10-step trajectories alternating between the environments."""
-    return [Retrieved(ENVIRONMENTS[(i // 10) % 2], f"task-{i // 100}", f"traj-{i // 10}", i % 10, f"state {i}",
-                      f"action {i}", f"next state {i}", 0.0, i % 10 == 9, "real", "expert")
+    return [Retrieved.from_columns(ENVIRONMENTS[(i // 10) % 2], f"task-{i // 100}", f"traj-{i // 10}", i % 10,
+                                   f"state {i}", f"action {i}", f"next state {i}", 0.0, i % 10 == 9, "real", "expert")
             for i in range(start, stop)]
 
 

@@ -5,7 +5,7 @@ bare TRL GRPOTrainer step on the same batch (ours / bare is the overhead of mult
         [--max-action-tokens 16] [--experience-max-new-tokens 128] [--policy smollm2-135m-instruct]
         [--experience-model models/experience/model] [--threads N]
 
-Ours: `components.rl.grpo.train_grpo` for `--iterations` iterations: the policy (LoRA as in RLSettings) plays
+Ours: `components.rl.grpo.train_grpo` for `--iterations` iterations: the policy (LoRA as in params.yaml) plays
 tasks_per_iteration x group_size multi-turn episodes in the synthetic environment (experience model on the HF
 backend, batch = every episode of the turn, grounded by the saved replay buffer), then one GRPO step. Tasks are
 TextWorld seed tasks with `initial_state` set to their seed trajectories' first state. The split is the iteration
@@ -27,6 +27,7 @@ Everything is written to a temporary directory, removed at the end (--keep to ke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -40,14 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from benchmarks.common import load_model, print_machine, table  # noqa: E402
-from components.config import load_params  # noqa: E402
+from components import builders  # noqa: E402
+from components.config import Params, load_params  # noqa: E402
 from components.data.contract import Task, read_trajectories  # noqa: E402
 from components.envs.base import Observation  # noqa: E402
 from components.llm.backends import HFGenerationBackend
 from components.rl.loop import RLSettings  # noqa: E402
-from components.rl.policy import SYSTEM, PolicyFormat, state_message  # noqa: E402
+from components.rl.policy import SYSTEM, state_message  # noqa: E402
 from components.rl.rollouts import SyntheticBatch  # noqa: E402
-from components.simulator.experience_model import PredictionStats, PromptFormat  # noqa: E402
+from components.simulator.experience_model import PredictionStats  # noqa: E402
 from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
 from components.simulator.synthetic import SyntheticEnvironment  # noqa: E402
 
@@ -64,12 +66,12 @@ def seed_tasks(path: str, count: int) -> list[Task]:
     return tasks[:count]
 
 
-def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, out_dir: Path) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, params: Params, tasks: list[Task], settings: RLSettings,
+             out_dir: Path) -> dict[str, Any]:
     from components.rl.curriculum import Curriculum, CurriculumSettings
     from components.rl.grpo import train_grpo
 
-    prompt = load_params(args.params).experience_model.prompt
-    fmt = PromptFormat(**prompt.model_dump())
+    fmt, inference = builders.prompt_format(params), params.experience_model.inference
     buffer = load_replay_buffer(args.buffer, SentenceEncoder(args.embedder, args.cache_dir, 64))
     model, tokenizer, name = load_model(args.experience_model, args.cache_dir)
     backend = HFGenerationBackend(model, tokenizer, batch_size=settings.episodes_per_iteration)
@@ -83,20 +85,23 @@ def run_ours(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
 
     def make_batch() -> SyntheticBatch:
         return RecordingBatch(SyntheticEnvironment(
-            ENVIRONMENT, backend, buffer, fmt, top_k=fmt.top_k, retries=args.experience_retries, stats=stats,
-            max_history=fmt.history_length, max_new_tokens=args.experience_max_new_tokens))
+            ENVIRONMENT, backend, buffer, fmt, retries=args.experience_retries, stats=stats,
+            max_new_tokens=args.experience_max_new_tokens, temperature=inference.temperature,
+            retry_temperature=inference.retry_temperature, reward_range=builders.reward_range(params)))
 
     print(f"experience model: {name}; buffer {args.buffer} ({len(buffer)} transitions)", flush=True)
     started = time.perf_counter()
-    curriculum = Curriculum(tasks, CurriculumSettings(enabled=False))  # the overhead of the loop, not of new tasks
-    result = train_grpo(args.policy, curriculum, make_batch, buffer, PolicyFormat(), settings, out_dir / "ours",
-                        cache_dir=args.cache_dir)
+    # the curriculum off: the overhead of the loop, not of new tasks
+    curriculum = Curriculum(tasks, CurriculumSettings(**{**params.synthetic_rl.curriculum.model_dump(),
+                                                         "enabled": False}))
+    result = train_grpo(args.policy, curriculum, make_batch, buffer, builders.policy_format(params), settings,
+                        out_dir / "ours", cache_dir=args.cache_dir)
     wall = time.perf_counter() - started
     return {"log": result.log, "played": played, "stats": stats.as_dict(), "wall": wall, "train_s": result.seconds}
 
 
-def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, completion_tokens: int,
-             out_dir: Path) -> dict[str, Any]:
+def run_bare(args: argparse.Namespace, params: Params, tasks: list[Task], settings: RLSettings,
+             completion_tokens: int, out_dir: Path) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -106,7 +111,7 @@ def run_bare(args: argparse.Namespace, tasks: list[Task], settings: RLSettings, 
     from components.rl.grpo import grpo_config
 
     model, tokenizer = load_causal_lm(args.policy, cache_dir=args.cache_dir, dtype="float32")
-    fmt = PolicyFormat()
+    fmt = builders.policy_format(params)
     # The same tasks as train_grpo's; ours plays rl.task_schedule's picks, TRL's sampler picks here (both listed).
     rows = [{"prompt": [{"role": "system", "content": SYSTEM},
                         state_message(Observation(task.parameters["initial_state"]), fmt, task)],
@@ -173,7 +178,8 @@ def main() -> None:
     parser.add_argument("--buffer", default="buffer")
     parser.add_argument("--embedder", default="all-minilm-l6-v2", help="the encoder the buffer was built with")
     parser.add_argument("--data", default="data/trajectories.jsonl")
-    parser.add_argument("--params", default="params.yaml", help="experience_model.prompt gives the prompt format")
+    parser.add_argument("--params", default="params.yaml",
+                        help="the prompt formats, inference and the RL settings the options here leave")
     parser.add_argument("--cache-dir", default=".cache/models")
     parser.add_argument("--keep", action="store_true", help="keep the temporary output directory")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
@@ -181,10 +187,12 @@ def main() -> None:
 
     print_machine(args.threads)
 
-    settings = RLSettings(iterations=args.iterations, tasks_per_iteration=args.tasks_per_iteration,
-                          group_size=args.group_size, max_turns=args.max_turns,
-                          max_action_tokens=args.max_action_tokens, micro_batch_size=args.micro_batch_size,
-                          save_every=max(args.iterations, 1), save_total_limit=1)
+    params = load_params(args.params)  # synthetic_rl, less the sizes set here
+    settings = dataclasses.replace(builders.rl_settings(params), iterations=args.iterations,
+                                   tasks_per_iteration=args.tasks_per_iteration, group_size=args.group_size,
+                                   max_turns=args.max_turns, max_action_tokens=args.max_action_tokens,
+                                   micro_batch_size=args.micro_batch_size, save_every=max(args.iterations, 1),
+                                   save_total_limit=1)
     tasks = seed_tasks(args.data, args.tasks)
     out_dir = Path(tempfile.mkdtemp(prefix="rl_iteration-"))
     print(f"policy {args.policy}; {len(tasks)} tasks; {settings.episodes_per_iteration} episodes/iteration "
@@ -193,14 +201,14 @@ def main() -> None:
           f"{settings.lora}; experience max_new_tokens {args.experience_max_new_tokens}; output {out_dir}",
           flush=True)
     try:
-        ours = run_ours(args, tasks, settings, out_dir)
+        ours = run_ours(args, params, tasks, settings, out_dir)
         log = ours["log"]
         if not log:
             raise SystemExit("train_grpo logged no iteration")
         policy_tokens = max(1, round(sum(row["policy_tokens_mean"] for row in log) / len(log)))
         print(f"ours done in {ours['wall']:.1f} s (train {ours['train_s']:.1f} s); bare: {policy_tokens} completion "
               "tokens per episode", flush=True)
-        bare = run_bare(args, tasks, settings, policy_tokens, out_dir)
+        bare = run_bare(args, params, tasks, settings, policy_tokens, out_dir)
     finally:
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)

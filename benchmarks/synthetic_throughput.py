@@ -159,9 +159,9 @@ def main() -> None:
 
     print_machine(args.threads)
 
-    prompt = load_params(args.params).experience_model.prompt
-    fmt = PromptFormat(**prompt.model_dump()) if args.buffer else PromptFormat(**{**prompt.model_dump(),
-                                                                                 "use_retrieval": False})
+    params = load_params(args.params)
+    fmt = PromptFormat(**{**params.experience_model.prompt.model_dump(), **({} if args.buffer else
+                                                                            {"use_retrieval": False})})
     buffer = load_replay_buffer(args.buffer, SentenceEncoder(args.embedder, args.cache_dir, 64)) \
         if args.buffer else None
     model, tokenizer, model_name = load_model(args.model, args.cache_dir)
@@ -176,9 +176,10 @@ def main() -> None:
     def measure(batch_size: int, repeats: int) -> tuple[dict[str, Any], tuple[float, int]]:
         """The fastest of `repeats` (step_batch, raw replay) pairs on `batch_size` seed states."""
         backend = HFGenerationBackend(model, tokenizer, batch_size=batch_size)
-        env = SyntheticEnvironment(ENVIRONMENT, backend, buffer, fmt, top_k=fmt.top_k, retries=args.retries,
-                                   stats=PredictionStats(), max_history=fmt.history_length,
-                                   max_new_tokens=args.max_new_tokens)
+        env = SyntheticEnvironment(ENVIRONMENT, backend, buffer, fmt, retries=args.retries, stats=PredictionStats(),
+                                   max_new_tokens=args.max_new_tokens, temperature=0.0,  # greedy, as printed
+                                   retry_temperature=params.experience_model.inference.retry_temperature,
+                                   reward_range=tuple(params.data.reward_range))
         probe = Probe(model, backend, buffer)
         steps = seed_steps(trajectories, batch_size)
         best: dict[str, Any] | None = None

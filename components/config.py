@@ -1,7 +1,9 @@
 """params.yaml, loaded into a typed schema: the single source of every knob.
 
 The schema holds no defaults on purpose: a value lives in params.yaml and nowhere else, so what DVC tracks
-is what ran. Unknown, missing or mistyped keys fail loudly with the dotted key and the expected type.
+is what ran. Neither do the runtime settings the sections become (the dataclasses a section's docstring says it
+mirrors, with the same field names): the builders make them from a section's values. Unknown, missing or
+mistyped keys fail loudly with the dotted key and the expected type.
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ class EpisodeMix(Section):
 
     expert: int = Field(ge=0)
     noisy_expert: int = Field(ge=0)
-    skipping_expert: int = Field(0, ge=0, description="the walkthrough with one step left out (TextWorld only)")
+    skipping_expert: int = Field(ge=0, description="the walkthrough with one step left out (TextWorld only)")
     random: int = Field(ge=0)
 
 
@@ -125,7 +127,6 @@ class WeaviateParams(Section):
 
 class BufferParams(Section):
     backend: Literal["embedded", "weaviate"]
-    top_k: int = Field(gt=0)
     encode_batch_size: int = Field(gt=0)
     out_dir: str = Field(description="where index_buffer saves the buffer (the Weaviate backend saves a reference)")
     weaviate: WeaviateParams
@@ -158,6 +159,8 @@ class PromptParams(Section):
 
 
 class LoraParams(Section):
+    """Mirrors sft.LoraSettings."""
+
     r: int = Field(gt=0)
     alpha: int = Field(gt=0)
     dropout: float = Field(ge=0, lt=1)
@@ -238,6 +241,8 @@ class PolicyParams(Section):
 
 
 class PPOParams(Section):
+    """Mirrors loop.PPOSettings."""
+
     epochs: int = Field(gt=0)
     gamma: float = Field(gt=0, le=1)
     gae_lambda: float = Field(ge=0, le=1)
@@ -255,11 +260,13 @@ class CurriculumParams(Section):
     min_variance: float = Field(ge=0)
     max_new_tokens: int = Field(gt=0)
     temperature: float = Field(ge=0)
+    max_instruction_chars: int = Field(gt=0, description="a longer generated instruction is rejected")
+    max_state_chars: int = Field(gt=0, description="the parent task's initial state in the prompt, in characters")
     clusters: int = Field(gt=0, description="PPO: k-means clusters of task embeddings that stand for groups")
 
 
 class SyntheticRLParams(Section):
-    """Mirrors rl.RLSettings (max_turns and max_action_tokens come from policy)."""
+    """Mirrors loop.RLSettings (max_turns and max_action_tokens come from policy, the seed from the top level)."""
 
     algorithm: Literal["grpo", "ppo"]
     out_dir: str
@@ -314,7 +321,7 @@ class StudyParams(Section):
     algorithms: list[Literal["grpo", "ppo"]] = Field(min_length=1)
     real_budget: int = Field(gt=0, description="B: real transitions of the real-environment RL baseline")
     s2r_share: float = Field(ge=0, le=1, description="DreamGym-S2R's real budget as a share of B (paper: 0.1)")
-    variants: list[str] = Field(default_factory=list, description="the variants to run by name; empty: all")
+    variants: list[str] = Field(description="the variants to run by name; empty: all")
 
 
 class PrefectParams(Section):

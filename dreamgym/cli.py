@@ -1,7 +1,7 @@
 """The `dreamgym` command: onboarding, stage entry points for DVC, and Prefect flows.
 
   dreamgym data onboard PATH... [--data-dir DIR]   validate and store seed trajectories (exit 0 / 1 / 2)
-  dreamgym stage NAME                              run one pipeline stage directly (what dvc.yaml calls)
+  dreamgym stage NAME                              run one pipeline stage, stages/NAME.py (what dvc.yaml calls)
   dreamgym flow NAME                               run a stage, or the whole `pipeline`, as a Prefect flow
   dreamgym flow results_study                      the paper's Table 1: every variant of params.yaml `study`
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -20,7 +21,7 @@ import yaml
 
 from components.config import ParamsError, load_params
 from components.simulator.experience_model import ExperienceModelFailure
-from components.stages import STAGES, StageError
+from stages.common import RENAMED, STAGES, StageError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2  # onboarding: 1 also means "some records were quarantined"
 # Prefect gives its temporary server 20 s to start, which a machine busy training can miss ("Timed out while
@@ -43,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     onboard.add_argument("--no-version", action="store_true", help="do not `dvc add` the data directory")
 
     stage = commands.add_parser("stage", help="run one pipeline stage (DVC calls this)")
-    stage.add_argument("name", choices=sorted(STAGES))
+    stage.add_argument("name", choices=sorted([*STAGES, *RENAMED]))
     flow = commands.add_parser("flow", help="run a Prefect flow (it reads params.yaml, as DVC does)")
-    flow.add_argument("name", choices=sorted(STAGES) + ["pipeline", "results_study"])
+    flow.add_argument("name", choices=sorted([*STAGES, *RENAMED]) + ["pipeline", "results_study"])
     commands.add_parser("deploy", help="register the pipeline's retraining deployment (schedule, onboarding "
                         "trigger; params.yaml `prefect`) on the Prefect server PREFECT_API_URL names")
     artifacts = commands.add_parser("artifacts", help="the artifact store (params.yaml `storage`): list or prune runs")
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     params_command.add_argument("profile", nargs="?", help="for `use`: quick, cpu, gpu (profiles/NAME.yaml) or a path")
 
     args = parser.parse_args(argv)
+    if args.command in ("stage", "flow") and args.name in RENAMED:
+        print(f"warning: the stage {args.name!r} is deprecated, renamed {RENAMED[args.name]!r}; the old name goes in "
+              "the next release", file=sys.stderr)
+        args.name = RENAMED[args.name]
     # components log progress (training steps, generation batches) at INFO; show it in DVC and Prefect output
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "datasets", "filelock", "faiss"):
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "data":
         return _onboard(args, params)
     if args.command == "stage":
-        return _run(lambda: STAGES[args.name](params))
+        return _run(lambda: importlib.import_module(f"stages.{args.name}").run(params))
     if args.command == "flow":
         from flows import pipeline
 
@@ -122,7 +127,8 @@ def _code_elsewhere() -> list[str]:
     imported, here = Path(sys.modules["components"].__file__).resolve().parent.parent, Path.cwd().resolve()
     if imported == here or not (here / "components" / "__init__.py").is_file():
         return []
-    files = {path.relative_to(root).as_posix() for root in (imported, here) for package in ("components", "flows")
+    files = {path.relative_to(root).as_posix() for root in (imported, here)
+             for package in ("components", "stages", "flows")
              for path in (root / package).rglob("*.py")}
     return sorted(name for name in files if not (imported / name).is_file() or not (here / name).is_file()
                   or (imported / name).read_bytes() != (here / name).read_bytes())

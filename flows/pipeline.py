@@ -1,7 +1,7 @@
 """Prefect flows: one per stage, and `pipeline` chaining them. Thin: no ML logic lives here.
 
-Each stage task runs `dvc repro STAGE`, which calls `dreamgym stage STAGE` (the component function) only when
-its inputs changed. DVC owns caching and versioning, Prefect owns orchestration, retries and what the UI shows:
+Each stage task runs `dvc repro STAGE`, which calls `dreamgym stage STAGE` (stages/STAGE.py) only when its
+inputs changed. DVC owns caching and versioning, Prefect owns orchestration, retries and what the UI shows:
 a run of the flow and a run of `dvc repro` do the same work once, never twice.
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
-from components import stages  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.reports import metrics_path, report_path  # noqa: E402
+from stages import outputs  # noqa: E402
+from stages.common import STAGES  # noqa: E402
 
 PARAMS = "params.yaml"  # DVC reads params.yaml from the repository root; so do the flows
 # The scripts of this interpreter's environment (dvc, and the `dreamgym` that dvc.yaml calls) come first on PATH,
@@ -54,7 +55,7 @@ def reproduce(stage: str) -> dict:
 
 @task(name="onboard collected seed")
 def onboard_collected_seed() -> dict:
-    result = stages.onboard_collected(load_params(PARAMS))
+    result = outputs.onboard_collected(load_params(PARAMS))
     if result is None:
         get_run_logger().info("nothing collected: every collect_seed environment is a seed-only domain (no "
                               "real-environment adapter), so the pipeline uses the seed data already in data/")
@@ -68,7 +69,7 @@ def onboard_collected_seed() -> dict:
 
 @task(name="publish", retries=2, retry_delay_seconds=5)  # uploads replace whole artifacts: safe to retry
 def publish(run_id: str, stage: str) -> list[str]:
-    uris = stages.publish(load_params(PARAMS), run_id, stage)
+    uris = outputs.publish(load_params(PARAMS), run_id, stage)
     create_markdown_artifact(key=f"{stage.replace('_', '-')}-outputs", markdown="\n".join(f"- <{u}>" for u in uris),
                              description=f"Stored outputs of {stage}")
     return uris
@@ -124,7 +125,7 @@ def _stage_flow(stage: str):
     return stage_flow
 
 
-STAGE_FLOWS = {stage: _stage_flow(stage) for stage in stages.STAGES}  # in pipeline order
+STAGE_FLOWS = {stage: _stage_flow(stage) for stage in STAGES}  # in pipeline order
 
 
 @flow(name="pipeline")

@@ -17,8 +17,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from components.config import active_profile, load_params
 from components.results import study
-from components.stages import StageError
 from flows.pipeline import PARAMS, run_logged
+from stages.common import StageError
 
 # The user's params.yaml while a run's overrides are in it: a study killed mid-run (a session's end, a crash) would
 # otherwise leave them there, and every later run would inherit them (an ablation would train the killed run's

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import shutil
 import socket
@@ -8,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +23,64 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 # Test models are tiny: intra-op threads gain nothing and, on a busy 2-core machine, their spin-waiting makes every
 # forward pass several times slower. Set before torch is imported, here and in the stages tests run as subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@functools.cache
+def repo_params():
+    """The repository's own params.yaml, loaded into the schema once per test process."""
+    from components.config import load_params
+
+    return load_params(REPO / "params.yaml")
+
+
+def settings_from_params(kind: str, **overrides: Any) -> Any:
+    """A runtime settings object built from the repository's params.yaml as the builders build it
+    (components/builders.py), with `overrides` put in by `dataclasses.replace`. The settings classes have no defaults:
+    a test states the values its assertions depend on and takes the rest from params.
+
+    kind: "prompt" (experience_model.prompt: PromptFormat), "policy_prompt" (policy.prompt: PolicyFormat), "rl"
+    (synthetic_rl with policy.max_turns, policy.max_action_tokens and the seed: RLSettings), "ppo" (synthetic_rl.ppo:
+    PPOSettings), "lora" (synthetic_rl.lora: LoraSettings), "curriculum" (synthetic_rl.curriculum:
+    CurriculumSettings), "training" (experience_model.training with the seed: TrainingSettings), "inference" (a dict,
+    the keywords `experience_model.predict` and `SyntheticEnvironment` take from experience_model.inference and
+    data.reward_range).
+    """
+    from components.llm.sft import LoraSettings, TrainingSettings
+    from components.rl.curriculum import CurriculumSettings
+    from components.rl.loop import PPOSettings, RLSettings
+    from components.rl.policy import PolicyFormat
+    from components.simulator.experience_model import PromptFormat
+
+    params = repo_params()
+    rl, training, inference = params.synthetic_rl, params.experience_model.training, params.experience_model.inference
+
+    def lora(section):
+        return LoraSettings(**section.model_dump()) if section is not None else None
+
+    build = {
+        "prompt": lambda: PromptFormat(**params.experience_model.prompt.model_dump()),
+        "policy_prompt": lambda: PolicyFormat(**params.policy.prompt.model_dump()),
+        "rl": lambda: RLSettings(**rl.model_dump(exclude={"out_dir", "lora", "ppo", "curriculum"}), lora=lora(rl.lora),
+                                 ppo=PPOSettings(**rl.ppo.model_dump()), max_turns=params.policy.max_turns,
+                                 max_action_tokens=params.policy.max_action_tokens, seed=params.seed),
+        "ppo": lambda: PPOSettings(**rl.ppo.model_dump()),
+        "lora": lambda: lora(rl.lora),
+        "curriculum": lambda: CurriculumSettings(**rl.curriculum.model_dump()),
+        "training": lambda: TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora(training.lora),
+                                             seed=params.seed),
+        "inference": lambda: {"retries": inference.retries, "max_new_tokens": inference.max_new_tokens,
+                              "temperature": inference.temperature, "retry_temperature": inference.retry_temperature,
+                              "reward_range": tuple(params.data.reward_range)},
+    }
+    if kind not in build:
+        raise ValueError(f"unknown settings kind {kind!r}: one of {', '.join(build)}")
+    built = build[kind]()
+    if isinstance(built, dict):
+        unknown = set(overrides) - set(built)
+        if unknown:
+            raise TypeError(f"{kind} has no {', '.join(sorted(unknown))}")
+        return {**built, **overrides}
+    return dataclasses.replace(built, **overrides)
 
 
 def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -36,7 +97,7 @@ def project_template(tmp_path_factory) -> Path:
     """A git + DVC checkout of the pipeline's files, made once; tests get copies (`project`)."""
     root = tmp_path_factory.mktemp("template") / "project"
     root.mkdir()
-    for name in ("params.yaml", "dvc.yaml", "components", "flows", "examples"):
+    for name in ("params.yaml", "dvc.yaml", "components", "stages", "flows", "examples"):
         source = REPO / name
         copy = shutil.copytree if source.is_dir() else shutil.copy
         copy(source, root / name)
@@ -119,7 +180,7 @@ def tiny_policy(model_dir: Path) -> dict:
 SMALL_RUN = {
     "collect_seed.environments": ["textworld-cooking"],
     "collect_seed.train_tasks": 2,
-    "collect_seed.episodes": {"expert": 1, "noisy_expert": 0, "random": 1},
+    "collect_seed.episodes": {"expert": 1, "noisy_expert": 0, "skipping_expert": 0, "random": 1},
     "environments.textworld.cache_dir": str(REPO / ".cache" / "textworld"),
     "evaluate.environments": ["textworld-cooking"],
     "evaluate.heldout_tasks": 2,

@@ -39,7 +39,7 @@ def test_environment_failures_are_played_again_then_kept_aside_and_never_onboard
     from components.data.contract import TRAJECTORIES, read_trajectories
     from components.envs.base import env_failure
     from components.envs.registry import real_environment
-    from components.stages import onboard_collected
+    from stages.outputs import onboard_collected
     from tests.conftest import REPO, SMALL_RUN
 
     mix = {"expert": 1, "noisy_expert": 0, "skipping_expert": 0, "random": 1}

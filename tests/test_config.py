@@ -143,14 +143,53 @@ def test_cli_refuses_a_checkout_whose_code_python_does_not_import(tmp_path, monk
 
     repo = Path(__file__).resolve().parent.parent
     clone = tmp_path / "clone"
-    for package in ("components", "flows"):
+    for package in ("components", "stages", "flows"):
         shutil.copytree(repo / package, clone / package)
     monkeypatch.chdir(clone)
     assert main(["--params", str(REPO_PARAMS), "params", "check"]) == 0  # the same code
 
-    stages = clone / "components" / "stages.py"
-    stages.write_text(stages.read_text() + "\n# changed in this clone\n")
+    stage = clone / "stages" / "validate.py"
+    stage.write_text(stage.read_text() + "\n# changed in this clone\n")
     assert main(["--params", str(REPO_PARAMS), "params", "check"]) == 2
-    assert "code differs from the code Python imports (components/stages.py)" in capsys.readouterr().err
+    assert "code differs from the code Python imports (stages/validate.py)" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # no components/ here: the installed package is the code
     assert main(["--params", str(REPO_PARAMS), "params", "check"]) == 0
+
+
+def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
+    """The settings the builders make from params have a section's keys as fields and no default of their own, so a
+    knob's value lives in params.yaml only (a field params does not set is named here, with where it comes from)."""
+    import dataclasses
+    import inspect
+
+    from components import config
+    from components.llm.sft import LoraSettings, TrainingSettings
+    from components.rl.curriculum import CurriculumSettings
+    from components.rl.loop import PPOSettings, RLSettings
+    from components.rl.policy import PolicyFormat
+    from components.simulator.experience_model import PromptFormat, predict
+    from components.simulator.synthetic import SyntheticEnvironment
+
+    mirrors = [  # settings class, its params section, fields the builders set from elsewhere in params
+        (PromptFormat, config.PromptParams, set()),
+        (PolicyFormat, config.PolicyPromptParams, set()),
+        (LoraSettings, config.LoraParams, set()),
+        (TrainingSettings, config.TrainingParams, {"seed"}),
+        (CurriculumSettings, config.CurriculumParams, set()),
+        (PPOSettings, config.PPOParams, set()),
+        (RLSettings, config.SyntheticRLParams, {"max_turns", "max_action_tokens", "seed"}),  # policy.*, seed
+    ]
+    for settings, section, elsewhere in mirrors:
+        fields = dataclasses.fields(settings)
+        with_default = [f.name for f in fields
+                        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert not with_default, f"{settings.__name__} has defaults of its own: {with_default}"
+        keys = set(section.model_fields) - ({"out_dir", "curriculum"} if settings is RLSettings else set())
+        assert {f.name for f in fields} == keys | elsewhere, settings.__name__
+
+    # the experience model's inference knobs, as predict and the synthetic environment take them
+    knobs = {"retries", "max_new_tokens", "temperature", "retry_temperature"}
+    assert knobs <= set(config.InferenceParams.model_fields)
+    for function in (predict, SyntheticEnvironment.__init__):
+        parameters = inspect.signature(function).parameters
+        assert all(parameters[name].default is inspect.Parameter.empty for name in knobs | {"reward_range"})

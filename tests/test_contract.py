@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from components.data.contract import Trajectory, read_trajectories, transitions, write_trajectories
+from components.data.contract import TaskRef, Trajectory, Transition, read_trajectories, transitions, write_trajectories
 from tests.seed_factory import valid_record
 
 
@@ -31,6 +31,32 @@ def test_transition_view_with_bounded_history():
     assert all(v.next_state == s.next_state and math.isclose(v.reward, s.reward)
                for v, s in zip(views, trajectory.steps))
 
+
+
+def test_annotated_and_retrieved_records_are_the_contract_transition():
+    from components.simulator.annotation import AnnotatedTransition, annotate
+    from components.simulator.replay_buffer import Retrieved
+
+    trajectory = Trajectory.from_dict(valid_record(0, n_steps=3))
+    views = list(transitions(trajectory, history_length=0))
+    annotated = annotate([trajectory])
+    assert all(isinstance(a, Transition) and isinstance(a, AnnotatedTransition) for a in annotated)
+    shared = ("trajectory_id", "step_index", "task", "state", "action", "next_state", "reward", "done", "source",
+              "history", "info")
+    assert [[getattr(a, name) for name in shared] for a in annotated] == \
+        [[getattr(v, name) for name in shared] for v in views]
+    # The annotated file's keys, in order: the transition's fields but history, then the trace.
+    assert list(annotated[0].to_dict()) == ["trajectory_id", "step_index", "task", "state", "action", "next_state",
+                                            "reward", "done", "source", "info", "reasoning", "annotator"]
+
+    found = Retrieved.from_columns("demo-kitchen", "demo-cooking-0", "demo-0000", 1, "s", "a", "n", 0.0, False,
+                                   "real", "expert", 0.5)
+    assert isinstance(found.transition, Transition) and found.transition.source == found.origin == "expert"
+    assert (found.environment, found.task_id, found.source, found.state, found.score) == (
+        "demo-kitchen", "demo-cooking-0", "real", "s", 0.5)
+    # The buffer keeps no instruction: a retrieved task is a TaskRef, and reading an instruction off it fails.
+    assert found.transition.task == TaskRef("demo-cooking-0", "demo-kitchen")
+    assert not hasattr(found.transition.task, "instruction")
 
 def test_atomic_replace_restores_the_old_directory_when_the_swap_fails(tmp_path, monkeypatch):
     import os

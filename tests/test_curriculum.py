@@ -16,15 +16,20 @@ from components.data.contract import Task
 from components.llm.backends import make_backend
 from components.rl.curriculum import (
     Curriculum,
-    CurriculumSettings,
     cluster_tasks,
     read_tasks,
     task_schedule,
 )
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 
 ENV = "textworld-cooking"
 KITCHEN = "You are in a kitchen. You see a closed fridge and a table."
+
+
+def curriculum_settings(**overrides):
+    """params' curriculum settings, on and varying the top 2 tasks unless overridden (what these tests count on)."""
+    return settings_from_params("curriculum", **{"enabled": True, "top_tasks": 2, **overrides})
 
 
 def make_tasks(count: int) -> list[Task]:
@@ -61,12 +66,12 @@ def play(curriculum: Curriculum, rewards_by_task: dict[str, list[float]]) -> Non
 
 def test_observe_records_population_variance_and_selects_the_hardest():
     a, b, c, d = make_tasks(4)
-    curriculum = Curriculum([a, b, c, d], CurriculumSettings(top_tasks=2))
+    curriculum = Curriculum([a, b, c, d], curriculum_settings(top_tasks=2))
     play(curriculum, {"tw-0": [1, 0, 1, 0], "tw-1": [1, 1, 1, 1], "tw-2": [1, 0, 0, 0], "tw-3": [0, 1, 0, 1]})
     assert curriculum.variance == {"tw-0": 0.25, "tw-1": 0.0, "tw-2": 0.1875, "tw-3": 0.25}
     assert curriculum.hardest_tasks() == [a, d]  # a tie at 0.25 goes to the smaller task id
 
-    curriculum.settings = CurriculumSettings(top_tasks=10)
+    curriculum.settings = curriculum_settings(top_tasks=10)
     assert curriculum.hardest_tasks() == [a, d, c]  # b never varies: below min_variance, never a parent
 
     # only the latest iteration counts: a's old variance measured an older policy
@@ -77,27 +82,27 @@ def test_observe_records_population_variance_and_selects_the_hardest():
 
 
 def test_observe_rejects_mismatched_or_unknown_input():
-    curriculum = Curriculum(make_tasks(2))
+    curriculum = Curriculum(make_tasks(2), curriculum_settings())
     with pytest.raises(ValueError, match="rewards"):
         curriculum.observe(make_tasks(2), [1.0])
     with pytest.raises(ValueError, match="unknown"):
         curriculum.observe([Task("other", ENV, "x")], [1.0])
     with pytest.raises(ValueError, match="duplicate"):
-        Curriculum(make_tasks(2) * 2)
+        Curriculum(make_tasks(2) * 2, curriculum_settings())
     with pytest.raises(ValueError, match="max_generated_share"):
-        CurriculumSettings(max_generated_share=1.5)
+        curriculum_settings(max_generated_share=1.5)
 
 
 def test_disabled_or_empty_curriculum_is_exactly_task_schedule():
     tasks = make_tasks(7)
-    enabled = Curriculum(tasks)
+    enabled = Curriculum(tasks, curriculum_settings())
     play(enabled, {"tw-0": [1, 0], "tw-1": [0, 1]})
     enabled.propose(VariationBackend(), iteration=0)
     assert len(enabled.generated) == 2
 
-    disabled = Curriculum(tasks, CurriculumSettings(enabled=False))
+    disabled = Curriculum(tasks, curriculum_settings(enabled=False))
     disabled.load_state_dict(enabled.state_dict())  # even with generated tasks around, the ablation ignores them
-    empty = Curriculum(tasks)
+    empty = Curriculum(tasks, curriculum_settings())
     for seed in (0, 3):
         for iteration in range(5):
             for per_iteration, group_size in ((2, 4), (3, 1), (7, 2), (9, 2)):
@@ -115,7 +120,7 @@ def test_disabled_or_empty_curriculum_is_exactly_task_schedule():
                                                   (0.0, 4), (1.0, 5), (0.7, 10)])
 def test_generated_share_is_capped_by_lambda(share: float, per_iteration: int):
     tasks = make_tasks(100)
-    curriculum = Curriculum(tasks, CurriculumSettings(max_generated_share=share, top_tasks=100))
+    curriculum = Curriculum(tasks, curriculum_settings(max_generated_share=share, top_tasks=100))
     play(curriculum, {t.task_id: [0, 1] for t in tasks})
     assert len(curriculum.propose(VariationBackend(), iteration=0)) == 100  # plenty to choose from
 
@@ -131,7 +136,7 @@ def test_generated_share_is_capped_by_lambda(share: float, per_iteration: int):
 
 def test_generated_picks_prefer_unplayed_newest_then_highest_variance():
     tasks = make_tasks(6)
-    curriculum = Curriculum(tasks, CurriculumSettings(max_generated_share=0.5, top_tasks=2))
+    curriculum = Curriculum(tasks, curriculum_settings(max_generated_share=0.5, top_tasks=2))
     play(curriculum, {"tw-0": [1, 0, 0, 0], "tw-1": [1, 0, 1, 0]})
     first = curriculum.propose(VariationBackend(), iteration=0)
     assert [t.task_id for t in first] == ["tw-1~g0-0", "tw-0~g0-0"]  # highest-variance parent first
@@ -149,7 +154,7 @@ def test_generated_picks_prefer_unplayed_newest_then_highest_variance():
 
 def test_propose_writes_validated_versioned_task_records(tmp_path):
     tasks = make_tasks(3)
-    settings = CurriculumSettings(top_tasks=2, variations_per_task=2, max_new_tokens=40, temperature=0.9)
+    settings = curriculum_settings(top_tasks=2, variations_per_task=2, max_new_tokens=40, temperature=0.9)
     curriculum = Curriculum(tasks, settings)
     play(curriculum, {"tw-0": [1, 0], "tw-1": [1, 1], "tw-2": [0, 1]})
     backend = VariationBackend()
@@ -181,7 +186,7 @@ def test_propose_writes_validated_versioned_task_records(tmp_path):
 
 def test_propose_rejects_bad_replies_by_reason_and_never_raises():
     tasks = make_tasks(1)
-    curriculum = Curriculum(tasks, CurriculumSettings(top_tasks=1, variations_per_task=6, max_instruction_chars=50))
+    curriculum = Curriculum(tasks, curriculum_settings(top_tasks=1, variations_per_task=6, max_instruction_chars=50))
     play(curriculum, {"tw-0": [1, 0]})
     replies = [
         "Sure! Here is a harder task: cook twice.",  # no tags
@@ -216,7 +221,7 @@ def test_propose_rejects_bad_replies_by_reason_and_never_raises():
 
 def test_propose_with_a_real_tiny_model(tiny_model_dir):
     backend = make_backend("hf", str(tiny_model_dir))
-    curriculum = Curriculum(make_tasks(2), CurriculumSettings(top_tasks=2, max_new_tokens=12))
+    curriculum = Curriculum(make_tasks(2), curriculum_settings(top_tasks=2, max_new_tokens=12))
     play(curriculum, {"tw-0": [1, 0], "tw-1": [0, 1]})
     accepted = curriculum.propose(backend, iteration=0)
     # a random tiny model cannot write <instruction>...</instruction>: every reply is rejected, nothing raises
@@ -228,7 +233,7 @@ def test_propose_with_a_real_tiny_model(tiny_model_dir):
 
 def test_state_dict_round_trip_replays_the_same_choices():
     tasks = make_tasks(8)
-    settings = CurriculumSettings(top_tasks=2, max_generated_share=0.5)
+    settings = curriculum_settings(top_tasks=2, max_generated_share=0.5)
     original = Curriculum(tasks, settings)
     for iteration in range(3):
         schedule = original.tasks_for_iteration(iteration, 4, 2, seed=7)
@@ -268,7 +273,7 @@ def test_cluster_tasks_groups_near_identical_instructions():
 
 def test_observe_with_clusters_pools_episodes_of_similar_tasks():
     a, b, c = make_tasks(3)
-    curriculum = Curriculum([a, b, c], CurriculumSettings(top_tasks=3), clusters={"tw-0": 0, "tw-1": 0, "tw-2": 1})
+    curriculum = Curriculum([a, b, c], curriculum_settings(top_tasks=3), clusters={"tw-0": 0, "tw-1": 0, "tw-2": 1})
     # one episode per task (PPO): no task has a variance of its own, its cluster has
     play(curriculum, {"tw-0": [1], "tw-1": [0], "tw-2": [1]})
     assert curriculum.cluster_variance == {0: 0.25, 1: 0.0}
@@ -277,14 +282,14 @@ def test_observe_with_clusters_pools_episodes_of_similar_tasks():
 
     [child, _] = curriculum.propose(VariationBackend(), iteration=0)
     assert curriculum.clusters[child.task_id] == 0  # a variation joins its parent's cluster
-    restored = Curriculum([a, b, c], CurriculumSettings(top_tasks=3))
+    restored = Curriculum([a, b, c], curriculum_settings(top_tasks=3))
     restored.load_state_dict(json.loads(json.dumps(curriculum.state_dict())))
     assert restored.clusters == curriculum.clusters and restored.cluster_variance == {0: 0.25, 1: 0.0}
 
 
 def test_one_variation_written_for_two_games_is_two_tasks():
     tasks = make_tasks(2)
-    curriculum = Curriculum(tasks, CurriculumSettings(top_tasks=2, variations_per_task=1))
+    curriculum = Curriculum(tasks, curriculum_settings(top_tasks=2, variations_per_task=1))
     play(curriculum, {"tw-0": [1, 0], "tw-1": [0, 1]})
     same = "<instruction>Cook the meal without a knife.</instruction>"
     accepted = curriculum.propose(VariationBackend([same, same]), iteration=1)

@@ -1,9 +1,10 @@
 """dvc.yaml lists, for each stage, every project module the stage runs, so editing one makes `dvc repro` rerun it.
 
-Found statically: the stage's function in components/stages.py, the stages.py functions it calls and the names it
-uses from stages.py's imports, then every `components` module those import, transitively (imports under
-TYPE_CHECKING run nothing and are left out). A module missing from the list is a stage DVC calls up to date while
-its code changed; one listed in excess reruns the stage for nothing.
+Found statically: the stage's recipe `stages/<name>.py` (what `dreamgym stage NAME` imports), then every project
+module it imports (`from stages... import`, `from components... import`, `from components.x import module`), lazy
+imports inside functions included, transitively (imports under TYPE_CHECKING run nothing and are left out). A
+module missing from the list is a stage DVC calls up to date while its code changed; one listed in excess reruns
+the stage for nothing.
 """
 from __future__ import annotations
 
@@ -14,67 +15,112 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = REPO / "components" / "stages.py"
+PACKAGES = ("components", "stages")  # the code a stage runs; dreamgym/ (the command) and flows/ call stages
 
 
 def _module_file(module: str) -> str | None:
     path = Path(*module.split(".")).with_suffix(".py")
-    return str(path) if (REPO / path).is_file() else None
+    return path.as_posix() if (REPO / path).is_file() else None
 
 
-def _imports(node: ast.AST) -> list[tuple[str, str]]:
-    """The project files imported under `node`, each with the name its import binds (two may bind one name)."""
+# A toolbox module (the params-to-objects builders) is followed function by function: a stage depends on the
+# builders it calls (and theirs), not on every module some other builder imports.
+TOOLBOXES = ("components/builders.py",)
+
+
+def _runtime_imports(node: ast.AST) -> list[ast.ImportFrom]:
+    """The project imports under `node`, lazy ones inside functions included, TYPE_CHECKING ones left out."""
     skipped = {id(inner) for branch in ast.walk(node) if isinstance(branch, ast.If)
                and "TYPE_CHECKING" in ast.unparse(branch.test) for inner in ast.walk(branch)}
-    bound: list[tuple[str, str]] = []
-    for inner in ast.walk(node):
-        if id(inner) in skipped or not isinstance(inner, ast.ImportFrom) or not inner.module:
-            continue
-        if not inner.module.startswith("components"):
-            continue
-        for alias in inner.names:  # `from components.x import name`, or `from components import x` (a module)
-            file = _module_file(f"{inner.module}.{alias.name}") or _module_file(inner.module)
-            if file:
-                bound.append((alias.asname or alias.name, file))
-    return bound
+    return [inner for inner in ast.walk(node) if id(inner) not in skipped and isinstance(inner, ast.ImportFrom)
+            and inner.module and not inner.level and inner.module.split(".")[0] in PACKAGES]
 
 
-def _closure(files: set[str]) -> set[str]:
-    seen: set[str] = set()
-    todo = list(files)
-    while todo:
-        file = todo.pop()
-        if file not in seen:
-            seen.add(file)
-            todo += [imported for _, imported in _imports(ast.parse((REPO / file).read_text()))]
-    return seen
+def _targets(node: ast.ImportFrom) -> list[tuple[str, str]]:
+    """(file, name) per imported name: `from components.x import name`, or `from components import x` (a module)."""
+    targets = []
+    for alias in node.names:
+        if module := _module_file(f"{node.module}.{alias.name}"):
+            targets.append((module, ""))
+        elif module := _module_file(node.module):
+            targets.append((module, alias.name))
+    return targets
 
 
-def code_of_stage(name: str) -> set[str]:
-    tree = ast.parse(STAGES.read_text())
+def _toolbox_files(file: str, names: set[str]) -> set[str]:
+    """What the functions `names` of a toolbox module import, following the calls between its functions."""
+    tree = ast.parse((REPO / file).read_text(encoding="utf-8"))
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    module_imports = _imports(ast.Module(body=[n for n in tree.body if isinstance(n, ast.ImportFrom)],
-                                         type_ignores=[]))
-    files: set[str] = set()
-    seen, todo = set(), [name]
+    module_level = ast.Module(body=[node for node in tree.body if isinstance(node, ast.ImportFrom)], type_ignores=[])
+    files = {target for node in _runtime_imports(module_level) for target, _ in _targets(node)}
+    seen, todo = set(), [name for name in names if name in functions]
     while todo:
         function = functions[todo.pop()]
         if function.name in seen:
             continue
         seen.add(function.name)
-        files |= {file for _, file in _imports(function)}
-        used = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
-        files |= {file for bound, file in module_imports if bound in used}
-        todo += [called for called in used if called in functions]
-    return _closure(files) | {"components/stages.py"}
+        files |= {target for node in _runtime_imports(function) for target, _ in _targets(node)}
+        todo += [node.id for node in ast.walk(function) if isinstance(node, ast.Name) and node.id in functions]
+    return files
 
 
-DVC_STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+def code_of_stage(name: str) -> set[str]:
+    """stages/<name>.py and every project file it imports, transitively (toolboxes: only what the used functions
+    import)."""
+    seen: set[str] = set()
+    toolbox_names: dict[str, set[str]] = {toolbox: set() for toolbox in TOOLBOXES}
+    todo = [f"stages/{name}.py"]
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        for node in _runtime_imports(ast.parse((REPO / file).read_text(encoding="utf-8"))):
+            for target, imported_name in _targets(node):
+                if target in TOOLBOXES:
+                    toolbox_names[target].add(imported_name)
+                    seen.add(target)
+                else:
+                    todo.append(target)
+    for toolbox, names in toolbox_names.items():
+        for file in _toolbox_files(toolbox, names) if names else ():
+            todo.append(file)
+    while todo:  # what the toolboxes' functions import, transitively
+        file = todo.pop()
+        if file not in seen:
+            seen.add(file)
+            todo += [target for node in _runtime_imports(ast.parse((REPO / file).read_text(encoding="utf-8")))
+                     for target, _ in _targets(node)]
+    return seen
+
+
+DVC_STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+
+
+def _code_deps(stage: str) -> set[str]:
+    return {dep for dep in DVC_STAGES[stage].get("deps", []) if dep.split("/")[0] in PACKAGES}
 
 
 @pytest.mark.parametrize("stage", sorted(DVC_STAGES))
 def test_dvc_stage_lists_the_code_it_runs(stage: str) -> None:
-    listed = {dep for dep in DVC_STAGES[stage].get("deps", []) if dep.startswith("components/")}
-    runs = code_of_stage(stage)
+    assert (REPO / "stages" / f"{stage}.py").is_file(), f"dvc.yaml {stage!r}: no stages/{stage}.py runs it"
+    listed, runs = _code_deps(stage), code_of_stage(stage)
     assert not runs - listed, f"dvc.yaml {stage!r}: add to its deps {sorted(runs - listed)} (the stage runs them)"
     assert not listed - runs, f"dvc.yaml {stage!r}: drop from its deps {sorted(listed - runs)} (it never runs them)"
+
+
+def test_a_stage_file_is_the_dependency_of_its_stage_alone() -> None:
+    """Editing one stage's recipe (its report text, say) reruns that stage and no other: no stage file imports
+    another, so each stages/<name>.py is in the deps of exactly one DVC stage."""
+    recipes = {f"stages/{path.name}" for path in (REPO / "stages").glob("*.py") if path.stem in DVC_STAGES}
+    assert recipes == {f"stages/{stage}.py" for stage in DVC_STAGES}
+    for recipe in sorted(recipes):
+        users = [stage for stage in DVC_STAGES if recipe in _code_deps(stage)]
+        assert users == [Path(recipe).stem], f"{recipe} is in the deps of {users}: only its own stage may import it"
+
+
+def test_every_stage_has_a_flow_and_a_command() -> None:
+    """The stage names the flows and `dreamgym stage` offer are dvc.yaml's, in the same order."""
+    from stages.common import STAGES
+
+    assert list(STAGES) == list(DVC_STAGES)

@@ -123,9 +123,10 @@ def test_synthetic_episodes_replayed_in_the_real_game_confirm_or_refute_their_wi
 
     def stored(trajectory_id: str, task_id: str, actions: list[str], wins: bool) -> list[Retrieved]:
         """An episode as synthetic RL leaves it in the buffer: the simulator's verdict on its last step."""
-        return [Retrieved("textworld-cooking", task_id, trajectory_id, index, f"state {index}", action, "next",
-                          float(wins and index == len(actions) - 1), wins and index == len(actions) - 1,
-                          "synthetic", "synthetic") for index, action in enumerate(actions)]
+        return [Retrieved.from_columns("textworld-cooking", task_id, trajectory_id, index, f"state {index}", action,
+                                       "next", float(wins and index == len(actions) - 1),
+                                       wins and index == len(actions) - 1, "synthetic", "synthetic")
+                for index, action in enumerate(actions)]
 
     walkthrough = [[step.action for step in t.steps] for t in expert]
     records = [*stored("syn-3", "generated-variation", walkthrough[0], True),  # no real game to replay it in

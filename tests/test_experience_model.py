@@ -15,8 +15,6 @@ from components.data.contract import Step, Task, Trajectory, transitions
 from components.llm.backends import BackendError, HFGenerationBackend, OpenAICompatibleBackend, VLLMBackend
 from components.llm.models import build_tiny_causal_lm
 from components.llm.sft import (
-    LoraSettings,
-    TrainingSettings,
     _lora_targets,
     has_trained_model,
     load_trained_model,
@@ -38,7 +36,6 @@ from components.simulator.experience_model import (
     ExperienceQuery,
     FallbackBudget,
     PredictionStats,
-    PromptFormat,
     build_messages,
     format_target,
     parse_prediction,
@@ -46,6 +43,7 @@ from components.simulator.experience_model import (
     sft_examples,
 )
 from components.simulator.replay_buffer import FaissReplayBuffer, Retrieved
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 
 TASK = Task("tw-r1-s1", "textworld-cooking", "Cook a meal following the cookbook, then eat it.")
@@ -53,6 +51,16 @@ KITCHEN = "Observation:\nYou are in a kitchen. You see a closed fridge.\nInvento
 OPEN = "Observation:\nYou open the fridge, revealing a red potato.\nInventory: You are carrying nothing."
 TAKEN = "Observation:\nYou take the red potato from the fridge.\nInventory: You are carrying: a red potato."
 EATEN = "Observation:\nYou eat the meal. Not bad.\n*** The End ***\nInventory: You are carrying nothing."
+
+
+def fmt(**overrides):
+    """The experience model's prompt format in params.yaml, with `overrides`."""
+    return settings_from_params("prompt", **overrides)
+
+
+def inference(**overrides) -> dict:
+    """predict's keywords from params.yaml (experience_model.inference, data.reward_range), with `overrides`."""
+    return settings_from_params("inference", **overrides)
 
 
 def _step(state: str, action: str, next_state: str, reward: float = 0.0, done: bool = False, **info) -> Step:
@@ -69,8 +77,8 @@ def _trajectory(trajectory_id: str = "tw-1", task: Task = TASK) -> Trajectory:
 
 
 def _retrieved(trajectory_id: str, step_index: int = 0, action: str = "open fridge") -> Retrieved:
-    return Retrieved("textworld-cooking", "tw-r1-s2", trajectory_id, step_index, KITCHEN, action, OPEN, 0.0, False,
-                     "real", "expert", 0.9)
+    return Retrieved.from_columns("textworld-cooking", "tw-r1-s2", trajectory_id, step_index, KITCHEN, action, OPEN,
+                                  0.0, False, "real", "expert", 0.9)
 
 
 # ---- deterministic traces -------------------------------------------------------------------------------------
@@ -183,7 +191,7 @@ def test_a_crashed_teacher_annotation_resumes_asking_only_unanswered_transitions
 def test_prompt_holds_task_bounded_history_and_examples_by_switch():
     history = [(f"state {i}", f"action {i}") for i in range(6)]
     query = ExperienceQuery(TASK, KITCHEN, "open fridge", history, (_retrieved("tw-9"), _retrieved("tw-8")))
-    system, user = build_messages(query, PromptFormat(history_length=2, top_k=1))
+    system, user = build_messages(query, fmt(use_reasoning=True, use_retrieval=True, history_length=2, top_k=1))
 
     assert system["role"] == "system" and "<reasoning>" in system["content"]
     assert TASK.instruction in user["content"] and "textworld-cooking" in user["content"]
@@ -191,13 +199,13 @@ def test_prompt_holds_task_bounded_history_and_examples_by_switch():
     assert user["content"].count("Example ") == 1  # top_k
     assert user["content"].rstrip().endswith("Action: open fridge")
 
-    _, no_retrieval = build_messages(query, PromptFormat(use_retrieval=False, use_reasoning=False))
+    _, no_retrieval = build_messages(query, fmt(use_retrieval=False, use_reasoning=False))
     assert "Similar transitions" not in no_retrieval["content"]
-    first = build_messages(ExperienceQuery(TASK, KITCHEN, "open fridge"), PromptFormat())[1]["content"]
+    first = build_messages(ExperienceQuery(TASK, KITCHEN, "open fridge"), fmt())[1]["content"]
     assert "first step" in first
 
     long_state = "Goal: cook.\n" + "x" * 5000 + "\nInventory: a knife."
-    clipped = build_messages(ExperienceQuery(TASK, long_state, "look"), PromptFormat(max_state_chars=300))[1]
+    clipped = build_messages(ExperienceQuery(TASK, long_state, "look"), fmt(max_state_chars=300))[1]
     assert "chars cut" in clipped["content"] and "Goal: cook." in clipped["content"]
     assert "Inventory: a knife." in clipped["content"]
 
@@ -251,8 +259,8 @@ def test_predict_retries_unparsable_output_with_sampling():
     valid = format_target(OPEN, 0.0, False, "The fridge opens.")
     backend = ScriptedBackend("garbage", valid)
     stats = PredictionStats()
-    [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat(), retries=1,
-                           stats=stats)
+    [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), stats=stats,
+                           **inference(retries=1, temperature=0.0, retry_temperature=0.7))
 
     assert (prediction.next_state, prediction.attempts, prediction.fallback) == (OPEN, 2, False)
     assert backend.calls == [(1, 0.0), (1, 0.7)]  # greedy first, sampled retry
@@ -262,9 +270,9 @@ def test_predict_retries_unparsable_output_with_sampling():
 def test_predict_falls_back_and_counts_without_raising():
     queries = [ExperienceQuery(TASK, KITCHEN, "open fridge"), ExperienceQuery(TASK, OPEN, "take potato")]
     stats = PredictionStats()
-    predictions = predict(ScriptedBackend(BackendError("down"), "garbage"), queries, PromptFormat(), retries=1,
-                          stats=stats)
-    predictions += predict(ScriptedBackend(), queries[:1], PromptFormat(), retries=0, stats=stats)
+    predictions = predict(ScriptedBackend(BackendError("down"), "garbage"), queries, fmt(), stats=stats,
+                          **inference(retries=1))
+    predictions += predict(ScriptedBackend(), queries[:1], fmt(), stats=stats, **inference(retries=0))
 
     assert [p.fallback for p in predictions] == [True, True, True]
     assert predictions[1].next_state == f"{OPEN}\n{FALLBACK_NOTE}"
@@ -279,12 +287,12 @@ def test_a_reward_outside_the_range_is_unparsable_and_counted():
     out_of_range = format_target(OPEN, 5.0, True, "The fridge explodes.")
     stats = PredictionStats()
     [prediction] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")],
-                           PromptFormat(), retries=0, stats=stats, reward_range=(-1.0, 1.0))
+                           fmt(), stats=stats, **inference(retries=0, reward_range=(-1.0, 1.0)))
     assert prediction.fallback and (prediction.reward, prediction.done) == (0.0, False)
     assert (stats.fallbacks, stats.reward_out_of_range) == (1, 1)
-    # without a range the same reply is taken as it is (predict's own callers always pass data.reward_range)
-    [taken] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat(),
-                      retries=0)
+    # without a range (None) the same reply is taken as it is (the stages always pass data.reward_range)
+    [taken] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(),
+                      **inference(retries=0, reward_range=None))
     assert (taken.reward, taken.fallback) == (5.0, False)
 
 
@@ -292,7 +300,7 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
     budget = FallbackBudget(max_fallback_rate=0.5, max_backend_error_rate=0.0)
     stats = PredictionStats()
     queries = [ExperienceQuery(TASK, KITCHEN, "open fridge")] * 4
-    predict(ScriptedBackend("<next_state>\nYou open"), queries, PromptFormat(), retries=0, stats=stats)
+    predict(ScriptedBackend("<next_state>\nYou open"), queries, fmt(), stats=stats, **inference(retries=0))
     with pytest.raises(ExperienceModelFailure) as failure:
         budget.check(stats, "synthetic_rl", max_new_tokens=64)
     message = str(failure.value)
@@ -304,12 +312,12 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
 
     # half of them parse: at the budget, not over it
     valid = format_target(OPEN, 0.0, False, "The fridge opens.")
-    predict(ScriptedBackend(valid), queries, PromptFormat(), retries=0, stats=stats)
+    predict(ScriptedBackend(valid), queries, fmt(), stats=stats, **inference(retries=0))
     budget.check(stats, "synthetic_rl")
 
     # a backend that raises is its own budget, with its own advice
-    predict(ScriptedBackend(BackendError("HTTP 404: no such model"), valid), queries[:1], PromptFormat(), retries=1,
-            stats=stats)
+    predict(ScriptedBackend(BackendError("HTTP 404: no such model"), valid), queries[:1], fmt(), stats=stats,
+            **inference(retries=1))
     with pytest.raises(ExperienceModelFailure, match=r"backend failed on 1 of 4 calls .*HTTP 404.*base_url"):
         budget.check(stats, "evaluate_experience_model")
 
@@ -322,7 +330,8 @@ def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     buffer = FaissReplayBuffer(HashingEncoder())
     buffer.add([t for tid in ("tw-1", "tw-2", "tw-3") for t in transitions(_trajectory(tid))], source="real")
 
-    dataset = sft_examples(records, buffer, PromptFormat(history_length=1, top_k=4))
+    dataset = sft_examples(records, buffer, fmt(use_reasoning=True, use_retrieval=True, history_length=1, top_k=4),
+                           outcome_repeats=1, lookalike_repeats=1)
     row = dataset[2]  # tw-1, step 2
     user = row["prompt"][1]["content"]
     examples, rest = user.split("Recent history")
@@ -335,18 +344,19 @@ def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     parsed = parse_prediction(row["completion"][0]["content"])
     assert parsed is not None and parsed.done and parsed.reward == 1.0 and "success" in parsed.reasoning
 
-    plain = sft_examples(records, buffer, PromptFormat(use_retrieval=False, use_reasoning=False))
+    plain = sft_examples(records, buffer, fmt(use_retrieval=False, use_reasoning=False), outcome_repeats=1,
+                         lookalike_repeats=1)
     assert "Similar transitions" not in plain[0]["prompt"][1]["content"]
     assert parse_prediction(plain[0]["completion"][0]["content"]).reasoning is None
 
 
 def test_sft_examples_repeat_rewarded_and_terminal_transitions():
     records = annotate([_trajectory("tw-1")])
-    dataset = sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=3)
+    dataset = sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=3, lookalike_repeats=1)
     assert [row["step_index"] for row in dataset] == [0, 1, 2, 2, 2]  # only "eat meal" is rewarded and terminal
     assert "eat meal" not in dataset[4]["prompt"][1]["content"].split("Current state")[0]  # history not repeated
     with pytest.raises(ValueError, match="outcome_repeats"):
-        sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=0)
+        sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=0, lookalike_repeats=1)
 
 
 def test_sft_examples_repeat_lookalikes_of_a_rewarded_command():
@@ -354,12 +364,12 @@ def test_sft_examples_repeat_lookalikes_of_a_rewarded_command():
                                               max_score=2, valid_action=False)], success=False, return_=0.0,
                          source="skipping_expert")
     records = annotate([_trajectory("tw-1"), no_meal])
-    dataset = sft_examples(records, None, PromptFormat(use_retrieval=False), outcome_repeats=3, lookalike_repeats=2)
+    dataset = sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=3, lookalike_repeats=2)
     rows = [(row["trajectory_id"], row["step_index"]) for row in dataset]
     # the rewarded "eat meal" 3 times, the refused one (same command, no meal) twice, the rest once
     assert rows == [("tw-1", 0), ("tw-1", 1)] + [("tw-1", 2)] * 3 + [("tw-2", 0)] * 2
     with pytest.raises(ValueError, match="lookalike_repeats"):
-        sft_examples(records, None, PromptFormat(use_retrieval=False), lookalike_repeats=0)
+        sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=1, lookalike_repeats=0)
 
 
 # ---- backends -------------------------------------------------------------------------------------------------
@@ -376,7 +386,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def test_hf_backend_generates_in_batches_like_one_by_one(tiny: Path):
     model, tokenizer = load_trained_model(tiny)
-    prompts = [build_messages(ExperienceQuery(TASK, s, a), PromptFormat()) for s, a in
+    prompts = [build_messages(ExperienceQuery(TASK, s, a), fmt()) for s, a in
                [(KITCHEN, "open fridge"), (OPEN * 3, "take red potato from fridge"), (TAKEN, "eat meal")]]
     prompts.append("A raw prompt string")
 
@@ -433,7 +443,7 @@ class _ChatServer:
 
 def test_replies_stop_at_the_stop_string_on_every_backend(tiny: Path):
     model, tokenizer = load_trained_model(tiny)
-    prompt = build_messages(ExperienceQuery(TASK, KITCHEN, "open fridge"), PromptFormat())
+    prompt = build_messages(ExperienceQuery(TASK, KITCHEN, "open fridge"), fmt())
     [free] = HFGenerationBackend(model, tokenizer).generate([prompt], max_new_tokens=12)
     stop = next(text for text in tokenizer.batch_decode(tokenizer(free)["input_ids"][:3]) if text.strip())
     [stopped] = HFGenerationBackend(model, tokenizer, stop=[stop]).generate([prompt], max_new_tokens=12)
@@ -443,7 +453,7 @@ def test_replies_stop_at_the_stop_string_on_every_backend(tiny: Path):
     server = _ChatServer(format_target(OPEN, 0.0, False, "The fridge opens.").removesuffix(REPLY_END))
     try:
         backend = OpenAICompatibleBackend(server.url, "exp-model", backoff_s=0.01, concurrency=1, stop=[REPLY_END])
-        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat())
+        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), **inference())
     finally:
         server.close()
     assert (prediction.next_state, prediction.fallback) == (OPEN, False)
@@ -454,7 +464,7 @@ def test_openai_compatible_backend_over_real_http():
     server = _ChatServer(format_target(OPEN, 0.0, False, "The fridge opens."))
     try:
         backend = OpenAICompatibleBackend(server.url, "exp-model", api_key="sk-test", backoff_s=0.01, concurrency=1)
-        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], PromptFormat())
+        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), **inference())
         [text] = backend.generate(["plain prompt"], max_new_tokens=7, temperature=0.0)
     finally:
         server.close()
@@ -481,9 +491,12 @@ def test_vllm_backend_without_vllm_says_how_to_get_it():
 
 
 def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(tiny: Path, tmp_path: Path):
-    dataset = sft_examples(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), None, PromptFormat())
-    lora = LoraSettings(r=4, alpha=8, top_layers=1)
-    settings = TrainingSettings(max_steps=2, batch_size=2, lora=lora, precision="fp32", save_steps=1, logging_steps=1)
+    dataset = sft_examples(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), None, fmt(), outcome_repeats=1,
+                           lookalike_repeats=1)
+    lora = settings_from_params("lora", r=4, alpha=8, top_layers=1)
+    settings = settings_from_params("training", epochs=1.0, max_steps=2, learning_rate=2e-4, batch_size=2,
+                                    gradient_accumulation_steps=1, max_seq_len=1536, lora=lora, precision="fp32",
+                                    save_steps=1, save_total_limit=2, logging_steps=1)
 
     result = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
     assert result.global_step == 2 and result.final_loss is not None and result.train_loss is not None
@@ -510,16 +523,18 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
 
 def test_lora_top_layers_targets_only_the_top_layers(tiny: Path):
     model, _ = load_trained_model(tiny)
-    targets = _lora_targets(model, LoraSettings(top_layers=1))
+    targets = _lora_targets(model, settings_from_params("lora", top_layers=1))
     assert targets and all(".layers.1." in name for name in targets)
     assert {name.rsplit(".", 1)[1] for name in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                             "up_proj", "down_proj"}
-    assert _lora_targets(model, LoraSettings()) == "all-linear"
+    assert _lora_targets(model, settings_from_params("lora", target_modules="all-linear", top_layers=None)) == \
+        "all-linear"
 
 
 def test_full_fine_tuning_and_the_sequence_bound(tiny: Path, tmp_path: Path):
-    dataset = sft_examples(annotate([_trajectory()]), None, PromptFormat())
-    settings = TrainingSettings(max_steps=1, batch_size=1, lora=None, precision="fp32", max_seq_len=500)
+    dataset = sft_examples(annotate([_trajectory()]), None, fmt(), outcome_repeats=1, lookalike_repeats=1)
+    settings = settings_from_params("training", epochs=1.0, max_steps=1, learning_rate=2e-4, batch_size=1,
+                                    gradient_accumulation_steps=1, lora=None, precision="fp32", max_seq_len=500)
 
     result = train_sft(dataset, str(tiny), tmp_path / "full", settings, cache_dir=tmp_path)
     assert (result.examples, result.too_long) == (1, 2)  # left out, never cut

@@ -10,7 +10,7 @@ import pytest
 from components.data.contract import Step, Task, Trajectory
 from components.llm.backends import HFGenerationBackend
 from components.llm.models import PACKAGED_MODELS, load_causal_lm
-from components.llm.sft import LoraSettings, TrainingSettings, load_trained_model, train_sft
+from components.llm.sft import load_trained_model, train_sft
 from components.simulator.annotation import annotate
 from components.simulator.experience_model import (
     REPLY_END,
@@ -18,15 +18,16 @@ from components.simulator.experience_model import (
     ExperienceQuery,
     FallbackBudget,
     PredictionStats,
-    PromptFormat,
     predict,
     sft_examples,
 )
+from tests.conftest import settings_from_params
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].package) is None,
                                 reason=PACKAGED_MODELS["smollm2-135m-instruct"].install)
 
-FORMAT = PromptFormat(use_retrieval=False)  # the default reply format (reasoning first); no buffer needed
+# params' reply format (reasoning first); no buffer needed
+FORMAT = settings_from_params("prompt", use_reasoning=True, use_retrieval=False)
 BUDGET = FallbackBudget(max_fallback_rate=0.5, max_backend_error_rate=0.0)
 MAX_NEW_TOKENS = 200  # the longest target here is ~120 tokens
 
@@ -54,7 +55,7 @@ def examples():
                                tuple((s.state, s.action) for s in sorted(annotated, key=lambda s: s.step_index)
                                      if s.trajectory_id == r.trajectory_id and s.step_index < r.step_index))
                for r in annotated]
-    return sft_examples(annotated, None, FORMAT), queries
+    return sft_examples(annotated, None, FORMAT, outcome_repeats=1, lookalike_repeats=1), queries
 
 
 def _replies(model_dir_or_name, queries, cache_dir) -> PredictionStats:
@@ -62,7 +63,8 @@ def _replies(model_dir_or_name, queries, cache_dir) -> PredictionStats:
                         load_causal_lm(model_dir_or_name, cache_dir=cache_dir))
     stats = PredictionStats()
     predict(HFGenerationBackend(model, tokenizer, batch_size=len(queries), stop=(REPLY_END,)), queries, FORMAT,
-            retries=0, max_new_tokens=MAX_NEW_TOKENS, stats=stats, reward_range=(-1.0, 1.0))
+            stats=stats, **settings_from_params("inference", retries=0, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
+                                                reward_range=(-1.0, 1.0)))
     return stats
 
 
@@ -75,8 +77,10 @@ def test_untrained_replies_fail_the_budget_and_a_few_sft_steps_teach_the_format(
         BUDGET.check(untrained, "evaluate_experience_model", MAX_NEW_TOKENS)
 
     # 24 steps at 2e-3 taught the format on 8 examples (the earlier overfit check); LoRA on the top 8 layers
-    settings = TrainingSettings(max_steps=24, learning_rate=2e-3, batch_size=1, warmup=0, logging_steps=8,
-                                save_steps=100, lora=LoraSettings(r=16, alpha=32, top_layers=8), precision="fp32")
+    settings = settings_from_params("training", epochs=1.0, max_steps=24, learning_rate=2e-3, batch_size=1,
+                                    gradient_accumulation_steps=1, max_seq_len=1536, warmup=0, logging_steps=8,
+                                    save_steps=100, lora=settings_from_params("lora", r=16, alpha=32, top_layers=8),
+                                    precision="fp32")
     result = train_sft(dataset, "smollm2-135m-instruct", tmp_path / "experience", settings, cache_dir=tmp_path)
     assert result.final_loss < result.train_loss  # it learned something on the way
 

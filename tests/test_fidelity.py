@@ -34,7 +34,7 @@ from tests.hashing_encoder import HashingEncoder
 def transition(state: str, action: str, next_state: str, reward: float = 0.0, done: bool = False,
                environment: str = "textworld-cooking", trajectory_id: str = "q", step_index: int = 0) -> Transition:
     task = Task(f"{environment}-task", environment, "cook a meal")
-    return Transition(trajectory_id, step_index, task, (), state, action, next_state, reward, done, "expert")
+    return Transition(trajectory_id, step_index, task, state, action, next_state, reward, done, "expert")
 
 
 def trajectory(trajectory_id: str, task_id: str, environment: str, steps: list[Step]) -> Trajectory:

@@ -10,23 +10,24 @@ import pytest
 
 from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
-from components.llm.sft import LoraSettings
-from components.rl.curriculum import Curriculum, CurriculumSettings
+from components.rl.curriculum import Curriculum
 from components.rl.grpo import train_grpo
-from components.rl.loop import CURRICULUM_FILE, LOG_FILE, RLSettings, read_iteration_log, sidecars_complete
-from components.rl.policy import PolicyFormat
+from components.rl.loop import CURRICULUM_FILE, LOG_FILE, read_iteration_log, sidecars_complete
 from components.rl.rollouts import SyntheticBatch
-from components.simulator.experience_model import PromptFormat
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend, ScriptedTaskWriter
 
 ENV = "textworld-cooking"
 TASKS = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"Kitchen {i}."}) for i in range(3)]
-SETTINGS = RLSettings(iterations=2, tasks_per_iteration=2, group_size=2, max_turns=2, max_action_tokens=4,
-                      max_tokens=512, micro_batch_size=2, save_every=1, beta=0.02, learning_rate=1e-3,
-                      lora=LoraSettings(r=4, alpha=8, top_layers=None))
+SETTINGS = settings_from_params("rl", algorithm="grpo", iterations=2, tasks_per_iteration=2, group_size=2, max_turns=2,
+                               max_action_tokens=4, max_tokens=512, micro_batch_size=2, save_every=1,
+                               save_total_limit=2, beta=0.02, learning_rate=1e-3,
+                               lora=settings_from_params("lora", r=4, alpha=8, top_layers=None))
+NO_CURRICULUM = settings_from_params("curriculum", enabled=False)
+POLICY_FORMAT = settings_from_params("policy_prompt")
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +38,15 @@ def policy_dir(tmp_path_factory):
 
 
 def _batch():
-    return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(), None, PromptFormat(use_retrieval=False),
-                                               retries=0))
+    return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(), None,
+                                               settings_from_params("prompt", use_retrieval=False),
+                                               **settings_from_params("inference", retries=0)))
 
 
 def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_path):
     buffer = FaissReplayBuffer(HashingEncoder())
-    result = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, buffer,
-                        PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
+    result = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, buffer,
+                        POLICY_FORMAT, SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
 
     assert result.iterations == 2 and [row["iteration"] for row in result.log] == [1, 2]
     first = result.log[0]
@@ -65,14 +67,14 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
 
     # the same settings again: nothing left to do, the log and buffer come back from the last checkpoint
     fresh = FaissReplayBuffer(HashingEncoder())
-    again = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, fresh,
-                       PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
+    again = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, fresh,
+                       POLICY_FORMAT, SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
     assert again.resumed_from and again.iterations == 2 and again.log == json.loads(json.dumps(result.log))
     assert len(fresh) == len(buffer)  # restored in place: the caller's buffer object holds the synthetic transitions
 
     # extended by one iteration: the run goes on from its last checkpoint instead of starting over
-    longer = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, fresh,
-                        PolicyFormat(), replace(SETTINGS, iterations=3), tmp_path / "rl", cache_dir=tmp_path)
+    longer = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, fresh,
+                        POLICY_FORMAT, replace(SETTINGS, iterations=3), tmp_path / "rl", cache_dir=tmp_path)
     assert longer.resumed_from and [row["iteration"] for row in longer.log] == [1, 2, 3]
     assert longer.log[:2] == again.log
     # pruned to save_total_limit (2), and only once the newest checkpoint's side-cars were written
@@ -86,10 +88,10 @@ def test_grpo_rerun_of_a_finished_run_trains_nothing_even_mid_epoch(policy_dir, 
     # mid-epoch, where Trainer.train takes a step before it tests max_steps (sim-to-real overspent its budget so).
     tasks = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"Kitchen {i}."}) for i in range(10)]
     one = replace(SETTINGS, iterations=1)
-    first = train_grpo(str(policy_dir), Curriculum(tasks, CurriculumSettings(enabled=False)), _batch, None,
-                       PolicyFormat(), one, tmp_path / "rl", cache_dir=tmp_path)
-    again = train_grpo(str(policy_dir), Curriculum(tasks, CurriculumSettings(enabled=False)), _batch, None,
-                       PolicyFormat(), one, tmp_path / "rl", cache_dir=tmp_path)
+    first = train_grpo(str(policy_dir), Curriculum(tasks, NO_CURRICULUM), _batch, None,
+                       POLICY_FORMAT, one, tmp_path / "rl", cache_dir=tmp_path)
+    again = train_grpo(str(policy_dir), Curriculum(tasks, NO_CURRICULUM), _batch, None,
+                       POLICY_FORMAT, one, tmp_path / "rl", cache_dir=tmp_path)
     assert again.resumed_from and again.iterations == 1 and again.log == json.loads(json.dumps(first.log))
     assert read_iteration_log(again.model_dir) == again.log
     assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-1"]
@@ -99,10 +101,10 @@ def test_grpo_rerun_of_a_finished_run_trains_nothing_even_mid_epoch(policy_dir, 
 def test_a_run_cut_below_its_checkpoints_resumes_the_last_one_within_the_cut(policy_dir, tmp_path):
     """Sim-to-real's budget cut from two iterations to one must end at iteration 1, not finish from checkpoint 2
     (which spent more real transitions than the new budget)."""
-    first = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                       PolicyFormat(), SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
-    cut = train_grpo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                     PolicyFormat(), replace(SETTINGS, iterations=1), tmp_path / "rl", cache_dir=tmp_path)
+    first = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                       POLICY_FORMAT, SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
+    cut = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                     POLICY_FORMAT, replace(SETTINGS, iterations=1), tmp_path / "rl", cache_dir=tmp_path)
     assert first.iterations == 2 and cut.resumed_from.endswith("checkpoint-1") and cut.iterations == 1
     assert cut.log == json.loads(json.dumps(first.log[:1])) and read_iteration_log(cut.model_dir) == cut.log
     assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-1"]
@@ -117,8 +119,8 @@ def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(poli
     one = replace(SETTINGS, iterations=1)
 
     def train(environment):
-        return train_grpo(str(warm_start), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                          PolicyFormat(), one, tmp_path / "rl", cache_dir=tmp_path, environment=environment)
+        return train_grpo(str(warm_start), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                          POLICY_FORMAT, one, tmp_path / "rl", cache_dir=tmp_path, environment=environment)
 
     assert train("simulator A").resumed_from is None
     assert train("simulator A").resumed_from  # the same run again: resumed
@@ -129,9 +131,10 @@ def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(poli
 
 def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_path):
     # min_variance 0: every played task may be varied, so the wiring is tested whatever the tiny policy earns
-    settings = CurriculumSettings(top_tasks=1, max_generated_share=0.5, min_variance=0.0)
+    settings = settings_from_params("curriculum", enabled=True, top_tasks=1, variations_per_task=1,
+                                    max_generated_share=0.5, min_variance=0.0)
     writer = ScriptedTaskWriter()
-    result = train_grpo(str(policy_dir), Curriculum(TASKS, settings), _batch, None, PolicyFormat(), SETTINGS,
+    result = train_grpo(str(policy_dir), Curriculum(TASKS, settings), _batch, None, POLICY_FORMAT, SETTINGS,
                         tmp_path / "rl", cache_dir=tmp_path, generator=writer)
 
     assert len(writer.calls) == 2  # one batched proposal after each iteration
@@ -145,7 +148,7 @@ def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_p
 
     # resumed: the curriculum comes back from the checkpoint, no proposal is repeated
     curriculum, again_writer = Curriculum(TASKS, settings), ScriptedTaskWriter()
-    again = train_grpo(str(policy_dir), curriculum, _batch, None, PolicyFormat(), SETTINGS, tmp_path / "rl",
+    again = train_grpo(str(policy_dir), curriculum, _batch, None, POLICY_FORMAT, SETTINGS, tmp_path / "rl",
                        cache_dir=tmp_path, generator=again_writer)
     assert again.resumed_from and not again_writer.calls
     assert [t.task_id for t in curriculum.generated] == [t["task_id"] for t in state["generated"]]

@@ -96,7 +96,7 @@ def test_a_new_collection_supersedes_the_earlier_one_and_keeps_user_data(tmp_pat
     from components.config import load_params
     from components.data.onboarding import onboard
     from components.data.validation import Limits
-    from components.stages import onboard_collected
+    from stages.outputs import onboard_collected
 
     def collected(index: int) -> dict:
         record = valid_record(index)

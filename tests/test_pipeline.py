@@ -8,7 +8,7 @@ import pytest
 
 from components.data.contract import read_trajectories
 from components.rl.loop import TIME_SPLIT
-from components.stages import STAGES
+from stages.common import STAGES
 from tests.conftest import SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
 
 
@@ -68,7 +68,7 @@ def test_prefect_pipeline_flow(project, monkeypatch, prefect_server, tiny_model_
         names = {client.read_flow(r.flow_id).name for r in runs}
         artifacts = {a.key: a for a in client.read_artifacts()}
     assert {"pipeline", *STAGES} <= names and all(r.state.is_completed() for r in runs)
-    assert result["evaluate"]["textworld-cooking"]["expert"]["success_rate"] == 1.0
+    assert result["evaluate_baselines"]["textworld-cooking"]["expert"]["success_rate"] == 1.0
     s2r = result["sim_to_real"]  # real TextWorld games, on the budget
     assert s2r["iterations"] == 1 and 0 < s2r["real_transitions_used"] <= s2r["real_transitions_budget"] == 4
     assert "sim-to-real" in result["evaluate_policies"]
@@ -91,7 +91,7 @@ def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
     import boto3
 
     from components.config import load_params
-    from components.stages import publish
+    from stages.outputs import publish
 
     boto3.client("s3").create_bucket(Bucket="dreamgym")  # endpoint and keys from the AWS_* variables
     run("dvc", "remote", "add", "-d", "storage", "s3://dreamgym/dvc", cwd=onboarded)
@@ -203,7 +203,7 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
                            "synthetic_rl.curriculum.min_variance": 0})
     run("dvc", "repro", cwd=onboarded)
     assert json.loads((onboarded / "metrics" / "collect_seed.json").read_text())["skipped"] == ["demo-kitchen"]
-    assert json.loads((onboarded / "metrics" / "evaluate.json").read_text())["skipped"] == ["demo-kitchen"]
+    assert json.loads((onboarded / "metrics" / "evaluate_baselines.json").read_text())["skipped"] == ["demo-kitchen"]
     warm = json.loads((onboarded / "metrics" / "train_policy_sft.json").read_text())
     assert warm["global_step"] == 1 and warm["demonstrations"] > 0 and warm["heldout_next_action"]["steps"] > 0
     rl = json.loads((onboarded / "metrics" / "synthetic_rl.json").read_text())
@@ -319,7 +319,7 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
 
     metrics = results_study_flow()
 
-    results = onboarded / "reports" / "studies" / "results"
+    results = onboarded / "reports" / "results_study"
     assert sorted(p.name for p in results.iterdir() if p.is_dir()) == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
     record = json.loads((results / "no-curriculum-seed0" / "run.json").read_text())
     assert record["params_set"]["synthetic_rl.curriculum.enabled"] is False and record["profile"] == "custom"
@@ -349,8 +349,8 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
 def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypatch, prefect_server):
     """Each run fails here (`dvc exp run` needs a commit and the project has none): the flow still runs the next
     one, writes the (empty) report, keeps params.yaml, and fails at the end naming both runs."""
-    from components.stages import StageError
     from flows.study import results_study_flow
+    from stages.common import StageError
 
     set_params(project, {"study.algorithms": ["grpo"], "study.variants": ["dreamgym-grpo", "no-curriculum"]})
     params_before = (project / "params.yaml").read_text()
@@ -363,6 +363,6 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
     with pytest.raises(StageError, match="2 run\\(s\\) failed: dreamgym-grpo-seed0, no-curriculum-seed0"):
         results_study_flow()
 
-    assert "from 0 finished runs" in (project / "reports" / "studies" / "results" / "README.md").read_text()
+    assert "from 0 finished runs" in (project / "reports" / "results_study" / "README.md").read_text()
     assert (project / "params.yaml").read_text() == params_before  # the killed run's overrides are gone
     assert not (project / ".dvc" / "tmp" / "study-params.yaml").exists()

@@ -11,23 +11,23 @@ import torch
 
 from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
-from components.llm.sft import LoraSettings
-from components.rl.curriculum import Curriculum, CurriculumSettings
-from components.rl.loop import LOG_FILE, RLSettings, read_iteration_log
-from components.rl.policy import PolicyFormat
+from components.rl.curriculum import Curriculum
+from components.rl.loop import LOG_FILE, read_iteration_log
 from components.rl.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
 from components.rl.rollouts import Episode, SyntheticBatch
-from components.simulator.experience_model import PromptFormat
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend
 
 ENV = "textworld-cooking"
 TASKS = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"Kitchen {i}."}) for i in range(3)]
-SETTINGS = RLSettings(algorithm="ppo", iterations=2, tasks_per_iteration=2, group_size=2, max_turns=2,
-                      max_action_tokens=4, max_tokens=512, micro_batch_size=3, save_every=1, save_total_limit=2,
-                      beta=0.02, learning_rate=1e-3, ppo_epochs=2, lora=LoraSettings(r=4, alpha=8, top_layers=None))
+SETTINGS = settings_from_params("rl", algorithm="ppo", iterations=2, tasks_per_iteration=2, group_size=2, max_turns=2,
+                               max_action_tokens=4, max_tokens=512, micro_batch_size=3, save_every=1,
+                               save_total_limit=2, beta=0.02, learning_rate=1e-3,
+                               ppo=settings_from_params("ppo", epochs=2),
+                               lora=settings_from_params("lora", r=4, alpha=8, top_layers=None))
 TIMINGS = ("policy_generation_s", "environment_s", "curriculum_s", "optimisation_s")
 
 
@@ -134,11 +134,12 @@ def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS):
     buffer = FaissReplayBuffer(HashingEncoder())
 
     def make_batch():
-        return SyntheticBatch(SyntheticEnvironment(ENV, backend, None, PromptFormat(use_retrieval=False), retries=0))
+        return SyntheticBatch(SyntheticEnvironment(ENV, backend, None,
+                                                   settings_from_params("prompt", use_retrieval=False),
+                                                   **settings_from_params("inference", retries=0)))
 
-    return train_ppo(str(policy_dir), Curriculum(TASKS, CurriculumSettings(enabled=False)), make_batch, buffer,
-                     PolicyFormat(), settings, out_dir,
-                     cache_dir=cache_dir), buffer
+    return train_ppo(str(policy_dir), Curriculum(TASKS, settings_from_params("curriculum", enabled=False)), make_batch,
+                     buffer, settings_from_params("policy_prompt"), settings, out_dir, cache_dir=cache_dir), buffer
 
 
 @pytest.fixture(scope="module")

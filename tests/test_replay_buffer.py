@@ -233,6 +233,19 @@ def test_save_and_load_give_identical_retrieval(make_buffer, tmp_path: Path):
             loaded.close()
 
 
+
+def test_embedded_save_stores_the_columns_in_order(tmp_path: Path):
+    import pyarrow.parquet as pq
+
+    buffer = open_replay_buffer("embedded", HashingEncoder())
+    fill(buffer)
+    buffer.save(tmp_path / "buffer")
+    schema = pq.read_schema(tmp_path / "buffer" / "metadata.parquet")
+    assert [(f.name, str(f.type)) for f in schema] == [
+        ("environment", "string"), ("task_id", "string"), ("trajectory_id", "string"), ("step_index", "int64"),
+        ("state", "string"), ("action", "string"), ("next_state", "string"), ("reward", "double"),
+        ("done", "bool"), ("source", "string"), ("origin", "string")]
+
 def test_embedded_load_refuses_another_encoder(tmp_path: Path):
     buffer = open_replay_buffer("embedded", HashingEncoder())
     fill(buffer)
@@ -311,8 +324,11 @@ def test_content_index_gives_the_manifest_content():
     index.remove(index.keys("synthetic"))
     assert index.content_hash() == ContentIndex(real).content_hash() != manifest["content_hash"]
     # Any field counts, and the types the server hands back do not.
-    assert ContentIndex([replace(real[0], next_state="elsewhere")] + real[1:]).content_hash() != index.content_hash()
-    assert ContentIndex([replace(real[0], reward=0, step_index=np.int64(0))] + real[1:]).content_hash() == \
+    def changed(record, **fields):  # the record with some of its transition's fields changed
+        return replace(record, transition=replace(record.transition, **fields))
+
+    assert ContentIndex([changed(real[0], next_state="elsewhere")] + real[1:]).content_hash() != index.content_hash()
+    assert ContentIndex([changed(real[0], reward=0, step_index=np.int64(0))] + real[1:]).content_hash() == \
         index.content_hash()
     assert ContentIndex().manifest() == {"count": 0, "sources": {"real": 0, "synthetic": 0},
                                          "content_hash": "0" * 64}

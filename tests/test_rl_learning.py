@@ -18,33 +18,35 @@ from components.data.contract import Task
 from components.envs.base import Observation
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl import ppo
-from components.rl.curriculum import Curriculum, CurriculumSettings
+from components.rl.curriculum import Curriculum
 from components.rl.grpo import train_grpo
-from components.rl.loop import RLSettings
-from components.rl.policy import PolicyFormat
 from components.rl.ppo import train_ppo
 from components.rl.rollouts import ChatSegments, SyntheticBatch
-from components.simulator.experience_model import PromptFormat
 from components.simulator.synthetic import SyntheticEnvironment
+from tests.conftest import settings_from_params
 from tests.scripted_backend import ScriptedBackend
 
 ENV = "textworld-cooking"
 TASKS = [Task(f"tw-{i}", ENV, "Cook a meal, then eat it.", {"initial_state": f"Kitchen {i}."}) for i in range(2)]
 REWARDED, OTHER = "eat meal", "open fridge"
 # one iteration: 2 tasks x a group of 4 one-turn episodes; full fine-tuning and no KL, so the update is the
-# policy gradient alone
-ONE_STEP = RLSettings(iterations=1, tasks_per_iteration=2, group_size=4, max_turns=1, max_action_tokens=6,
-                      max_tokens=512, micro_batch_size=4, save_every=1, beta=0.0, learning_rate=2e-3, lora=None,
-                      ppo_epochs=1, seed=0)
+# policy gradient alone; sampled at temperature 1, so a group's rewards vary
+ONE_STEP = settings_from_params("rl", algorithm="grpo", iterations=1, tasks_per_iteration=2, group_size=4, max_turns=1,
+                                max_action_tokens=6, max_tokens=512, micro_batch_size=4, save_every=1, beta=0.0,
+                                learning_rate=2e-3, temperature=1.0, lora=None,
+                                ppo=settings_from_params("ppo", epochs=1), seed=0)
+NO_CURRICULUM = settings_from_params("curriculum", enabled=False)
+POLICY_FORMAT = settings_from_params("policy_prompt")
 
 
 def _batch():
-    return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(), None, PromptFormat(use_retrieval=False),
-                                               retries=0))
+    return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(), None,
+                                               settings_from_params("prompt", use_retrieval=False),
+                                               **settings_from_params("inference", retries=0)))
 
 
 def _prompt(segments: ChatSegments, task: Task) -> list[int]:
-    return segments.prompt(task, Observation(task.parameters["initial_state"]), PolicyFormat())
+    return segments.prompt(task, Observation(task.parameters["initial_state"]), POLICY_FORMAT)
 
 
 def _reply_logprob(model, tokenizer, reply: str) -> float:
@@ -106,15 +108,15 @@ def _assert_learned(result, policy_dir, cache_dir):
 
 
 def test_one_grpo_step_makes_the_rewarded_reply_likelier(two_answer_policy, tmp_path):
-    result = train_grpo(str(two_answer_policy), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                        PolicyFormat(), ONE_STEP, tmp_path / "rl", cache_dir=tmp_path)
+    result = train_grpo(str(two_answer_policy), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                        POLICY_FORMAT, ONE_STEP, tmp_path / "rl", cache_dir=tmp_path)
     assert result.log[0]["reward_std"] > 0  # TRL's own view: the groups' rewards varied
     _assert_learned(result, two_answer_policy, tmp_path)
 
 
 def test_one_ppo_step_makes_the_rewarded_reply_likelier(two_answer_policy, tmp_path):
-    result = train_ppo(str(two_answer_policy), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                       PolicyFormat(), replace(ONE_STEP, algorithm="ppo"), tmp_path / "rl", cache_dir=tmp_path)
+    result = train_ppo(str(two_answer_policy), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                       POLICY_FORMAT, replace(ONE_STEP, algorithm="ppo"), tmp_path / "rl", cache_dir=tmp_path)
     _assert_learned(result, two_answer_policy, tmp_path)
 
 
@@ -180,8 +182,8 @@ def test_grpo_trains_on_exactly_the_generated_tokens(two_answer_policy, generate
         return original(self, model, inputs)
 
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", recording_loss)
-    result = train_grpo(str(two_answer_policy), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                        PolicyFormat(), MULTI_TURN, tmp_path / "rl", cache_dir=tmp_path)
+    result = train_grpo(str(two_answer_policy), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                        POLICY_FORMAT, MULTI_TURN, tmp_path / "rl", cache_dir=tmp_path)
     assert result.log[0]["turns_mean"] > 1  # multi-turn: environment tokens sit between the policy's
     assert len(trained) == MULTI_TURN.episodes_per_iteration
     _assert_trained_on_generated(generated, trained)
@@ -202,9 +204,9 @@ def test_ppo_trains_on_exactly_the_generated_tokens(two_answer_policy, generated
         return batch
 
     monkeypatch.setattr(ppo, "make_micro_batch", recording_batch)
-    result = train_ppo(str(two_answer_policy), Curriculum(TASKS, CurriculumSettings(enabled=False)), _batch, None,
-                       PolicyFormat(), replace(MULTI_TURN, algorithm="ppo", ppo_epochs=2), tmp_path / "rl",
-                       cache_dir=tmp_path)
+    settings = replace(MULTI_TURN, algorithm="ppo", ppo=replace(MULTI_TURN.ppo, epochs=2))
+    result = train_ppo(str(two_answer_policy), Curriculum(TASKS, NO_CURRICULUM), _batch, None, POLICY_FORMAT, settings,
+                       tmp_path / "rl", cache_dir=tmp_path)
     assert result.log[0]["turns_mean"] > 1
     assert len(trained) == MULTI_TURN.episodes_per_iteration
     _assert_trained_on_generated(generated, trained)

@@ -12,7 +12,6 @@ from components.envs.base import Observation
 from components.llm.backends import HFGenerationBackend
 from components.llm.models import build_tiny_causal_lm
 from components.rl.policy import (
-    PolicyFormat,
     conversation,
     llm_policy,
     next_action_accuracy,
@@ -20,12 +19,20 @@ from components.rl.policy import (
     sft_examples,
 )
 from components.rl.rollouts import ChatSegments, RolloutStats, SyntheticBatch, rollout
-from components.simulator.experience_model import PromptFormat, format_target
+from components.simulator.experience_model import format_target
 from components.simulator.synthetic import SyntheticEnvironment
+from tests.conftest import settings_from_params
 from tests.scripted_backend import ScriptedBackend
 
 ENV = "textworld-cooking"
 TASK = Task("tw-1", ENV, "Cook a meal, then eat it.", {"initial_state": "You are in a kitchen."})
+POLICY_FORMAT = settings_from_params("policy_prompt")
+
+
+def _synthetic(backend) -> SyntheticEnvironment:
+    """The experience model played by a scripted `backend`, no retrieval, no retries."""
+    return SyntheticEnvironment(ENV, backend, None, settings_from_params("prompt", use_retrieval=False),
+                                **settings_from_params("inference", retries=0))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +48,7 @@ def _trajectory(trajectory_id="tw-1") -> Trajectory:
 
 
 def test_conversation_alternates_states_and_actions_and_clips_states():
-    fmt = PolicyFormat(max_state_chars=60, show_valid_actions=True, max_valid_actions=2)
+    fmt = settings_from_params("policy_prompt", max_state_chars=60, show_valid_actions=True, max_valid_actions=2)
     messages = conversation(TASK, [Observation("kitchen " * 30, ("look", "open fridge", "eat meal")),
                                    Observation("fridge open")], ["open fridge"], fmt)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
@@ -60,7 +67,7 @@ def test_parse_action(reply, action):
 
 
 def test_sft_examples_one_per_step_with_the_conversation_so_far():
-    dataset = sft_examples([_trajectory()], PolicyFormat())
+    dataset = sft_examples([_trajectory()], POLICY_FORMAT)
     assert len(dataset) == 2
     second = dataset[1]
     assert [m["role"] for m in second["prompt"]] == ["system", "user", "assistant", "user"]
@@ -69,7 +76,7 @@ def test_sft_examples_one_per_step_with_the_conversation_so_far():
 
 def test_next_action_accuracy_counts_steps(tiny):
     model, tokenizer = tiny
-    result = next_action_accuracy(HFGenerationBackend(model, tokenizer), [_trajectory()], PolicyFormat(), 4)
+    result = next_action_accuracy(HFGenerationBackend(model, tokenizer), [_trajectory()], POLICY_FORMAT, 4)
     assert result["steps"] == 2 and 0 <= result["correct"] <= 2 and set(result["by_step"]) == {"0", "1"}
 
 
@@ -78,7 +85,7 @@ def test_llm_policy_keeps_its_episode():
         def generate(self, prompts, max_new_tokens, temperature=0.0):
             return [f"turn {sum(m['role'] == 'user' for m in prompts[0])}"]
 
-    act = llm_policy(Echo(), PolicyFormat())
+    act = llm_policy(Echo(), POLICY_FORMAT, max_action_tokens=24)
     assert act(TASK, Observation("a"), []) == "turn 1"
     assert act(TASK, Observation("b"), [("a", "turn 1")]) == "turn 2"
     assert act(TASK, Observation("c"), []) == "turn 1"  # a new episode starts over
@@ -86,9 +93,9 @@ def test_llm_policy_keeps_its_episode():
 
 def test_rollout_tokens_masks_and_episode_ends(tiny):
     model, tokenizer = tiny
-    env = SyntheticEnvironment(ENV, ScriptedBackend(), None, PromptFormat(use_retrieval=False), retries=0)
+    env = _synthetic(ScriptedBackend())
     stats = RolloutStats()
-    episodes = rollout(model, tokenizer, SyntheticBatch(env), [TASK] * 3, PolicyFormat(), max_turns=3,
+    episodes = rollout(model, tokenizer, SyntheticBatch(env), [TASK] * 3, POLICY_FORMAT, max_turns=3,
                        max_action_tokens=5, temperature=1.0, stats=stats)
 
     assert len(episodes) == 3 and stats.turns == sum(len(e.actions) for e in episodes) > 0
@@ -117,14 +124,14 @@ def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny)
         def generate(self, prompts, max_new_tokens, temperature=0.0):
             return [format_target("done", 1.0, True, "finished") for _ in prompts]
 
-    won = rollout(model, tokenizer, SyntheticBatch(SyntheticEnvironment(ENV, WinsAtOnce(), None, PromptFormat(
-        use_retrieval=False), retries=0)), [TASK], PolicyFormat(), max_turns=5, max_action_tokens=3)[0]
+    won = rollout(model, tokenizer, SyntheticBatch(_synthetic(WinsAtOnce())), [TASK], POLICY_FORMAT, max_turns=5,
+                  max_action_tokens=3)[0]
     assert (won.done, won.success, won.truncated, won.rewards) == (True, True, False, [1.0])
     assert won.env_mask == [1] * len(won.completion_ids)  # nothing follows the last action
     assert won.trajectory.success
 
-    env = SyntheticEnvironment(ENV, ScriptedBackend(), None, PromptFormat(use_retrieval=False), retries=0)
-    cut = rollout(model, tokenizer, SyntheticBatch(env), [TASK], PolicyFormat(), max_turns=2, max_action_tokens=3,
+    env = _synthetic(ScriptedBackend())
+    cut = rollout(model, tokenizer, SyntheticBatch(env), [TASK], POLICY_FORMAT, max_turns=2, max_action_tokens=3,
                   temperature=0.0)[0]
     assert cut.truncated and not cut.done and len(cut.actions) == 2
 
@@ -149,7 +156,7 @@ def test_an_environment_failure_in_real_rl_is_counted_apart_and_given_no_advanta
     batch = RealBatch(lambda _: next(engines))
     model, tokenizer = tiny
     try:
-        episodes = rollout(model, tokenizer, batch, [task, task], PolicyFormat(), max_turns=2, max_action_tokens=4,
+        episodes = rollout(model, tokenizer, batch, [task, task], POLICY_FORMAT, max_turns=2, max_action_tokens=4,
                            max_tokens=2000)
     finally:
         batch.close()

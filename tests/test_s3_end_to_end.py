@@ -13,7 +13,8 @@ import pytest
 from components.artifacts import open_artifact_store
 from components.config import load_params
 from components.files import sha256_file
-from components.stages import PREDICTIONS_FILE, publish
+from stages.evaluate_experience_model import PREDICTIONS_FILE
+from stages.outputs import publish
 from tests.conftest import REPO, run, set_params, tiny_experience_model
 
 # onboarded data -> annotate -> index_buffer -> train_experience_model -> evaluate_experience_model (the report)

@@ -279,7 +279,7 @@ def test_the_committed_cpu_study_report_is_what_its_kept_runs_make(tmp_path, mon
     """`dreamgym study report` remakes a study's report from its kept runs alone (runs copied in from other
     checkouts), running nothing: from the CPU study's committed runs, it writes the committed report, word for word."""
     repo = Path(__file__).resolve().parents[1]
-    kept = Path("reports/studies/results/cpu")
+    kept = Path("reports/results_study/cpu")
     shutil.copytree(repo / kept, tmp_path / kept, ignore=shutil.ignore_patterns("*.png", "README.md"))
     monkeypatch.chdir(tmp_path)
 

@@ -12,9 +12,10 @@ from components.data.contract import Step, Task, Trajectory, success_rewards, tr
 from components.envs.episode import run_episode
 from components.llm.backends import HFGenerationBackend
 from components.llm.models import build_tiny_causal_lm
-from components.simulator.experience_model import FALLBACK_NOTE, PredictionStats, PromptFormat, format_target
+from components.simulator.experience_model import FALLBACK_NOTE, PredictionStats, format_target
 from components.simulator.replay_buffer import open_replay_buffer
 from components.simulator.synthetic import SyntheticEnvironment, add_to_buffer, record_trajectory
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend
 
@@ -23,9 +24,12 @@ KITCHEN = "You are in a kitchen. You see a closed fridge."
 TASK = Task("tw-1", ENV, "Cook a meal, then eat it.", {"initial_state": KITCHEN})
 
 
-def make_env(backend, buffer=None, **settings) -> SyntheticEnvironment:
-    settings = {"retries": 0, "max_history": 2, **settings}
-    return SyntheticEnvironment(ENV, backend, buffer, PromptFormat(history_length=5), **settings)
+def make_env(backend, buffer=None, prompt=None, **settings) -> SyntheticEnvironment:
+    """params' experience model settings with two steps of history and no retries; `prompt` overrides prompt
+    fields, `settings` SyntheticEnvironment's keywords."""
+    fmt = settings_from_params("prompt", **{"history_length": 2, **(prompt or {})})
+    return SyntheticEnvironment(ENV, backend, buffer, fmt, **{**settings_from_params("inference", retries=0),
+                                                              **settings})
 
 
 def test_reset_step_done_success_and_info():
@@ -80,7 +84,7 @@ def test_initial_state_comes_from_the_task_or_the_mapping_or_fails_clearly():
 
 def test_history_in_the_prompt_is_bounded():
     backend = ScriptedBackend()
-    env = make_env(backend, max_history=2)
+    env = make_env(backend, prompt={"history_length": 2})
     env.reset(TASK)
     for action in ("a1", "a2", "a3", "a4"):
         env.step(action)
@@ -99,7 +103,7 @@ def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
     buffer.add([t for tr in (seed, other) for t in transitions(tr)], source="real")
 
     backend = ScriptedBackend()
-    env = make_env(backend, buffer, top_k=2)
+    env = make_env(backend, buffer, prompt={"use_retrieval": True, "top_k": 2})
     env.reset(TASK)
     env.step("open fridge")
     user = backend.calls[0][0][-1]["content"]

@@ -87,20 +87,36 @@ class Trajectory:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class TaskRef:
+    """A task known by its id and environment only: what the replay buffer stores of a transition's task."""
+
+    task_id: str
+    environment: str
+
+
+@dataclass(frozen=True, slots=True)
 class Transition:
-    """One step seen from the experience model: (task, history, state, action) -> (next_state, reward, done)."""
+    """One step seen from the experience model: (task, history, state, action) -> (next_state, reward, done).
+
+    The project's one transition type. `annotation.AnnotatedTransition` is a Transition plus its reasoning trace;
+    `replay_buffer.Retrieved` wraps one with where the buffer got it and its similarity to a query. `task` is the
+    full Task, except in a transition read back from the replay buffer, which stores the task's id and environment
+    only (a `TaskRef`: no instruction to read there; look the Task up by id where one is needed).
+    """
 
     trajectory_id: str
     step_index: int
-    task: Task
-    history: tuple[tuple[str, str], ...]  # earlier (state, action) pairs, oldest first
+    task: Task | TaskRef
     state: str
     action: str
     next_state: str
     reward: float
     done: bool
-    source: str
+    source: str  # the trajectory's contract source (SOURCES)
+    # Keyword-only: earlier (state, action) pairs, oldest first (() when not carried), and the step's info.
+    history: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
+    info: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
 
 def transitions(trajectory: Trajectory, history_length: int | None = None) -> Iterator[Transition]:
@@ -108,8 +124,8 @@ def transitions(trajectory: Trajectory, history_length: int | None = None) -> It
     for index, step in enumerate(trajectory.steps):
         start = 0 if history_length is None else max(0, index - history_length)
         history = tuple((s.state, s.action) for s in trajectory.steps[start:index])
-        yield Transition(trajectory.trajectory_id, index, trajectory.task, history, step.state, step.action,
-                         step.next_state, step.reward, step.done, trajectory.source)
+        yield Transition(trajectory.trajectory_id, index, trajectory.task, step.state, step.action, step.next_state,
+                         step.reward, step.done, trajectory.source, history=history, info=step.info)
 
 
 def is_outcome(reward: float, done: bool) -> bool:

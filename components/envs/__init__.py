@@ -1,1 +1,1 @@
-"""Environments: real adapters (TextWorld, MiniWoB++) and, later, the synthetic one, behind one interface."""
+"""Real environments (TextWorld cooking, MiniWoB++) behind one text interface, and one episode played in them."""

@@ -367,7 +367,7 @@ def skipping_expert_policy(env: TextWorldCooking, rng: random.Random) -> Policy:
     without the ingredient taken, cooked or cut, or the meal prepared, its final `eat meal` earns nothing; left
     without `inventory`, `examine cookbook` or `drop knife` it still wins, a turn earlier. An experience model seeded
     only with expert and noisy-expert episodes rewarded the 7th to 11th action whatever it was
-    (reports/studies/policy/session10/). One policy object plays one episode at a time.
+    (reports/research/policy/session10/). One policy object plays one episode at a time.
     """
     plan: list[str] = []
 

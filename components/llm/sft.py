@@ -13,7 +13,7 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,38 +28,43 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoraSettings:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
+    """A LoRA section of params.yaml (`*.lora`): no defaults here, every value comes from params."""
+
+    r: int
+    alpha: int
+    dropout: float
     # "all-linear": every linear layer but the output head, i.e. the attention and MLP projections of any
     # architecture (q/k/v/o, gate/up/down for Llama-style models), without listing module names per model.
-    target_modules: str | tuple[str, ...] = "all-linear"
+    target_modules: str | tuple[str, ...]
     # Adapt only the top N transformer layers (None: all). Backpropagation then stops N layers down, which is most
     # of the cost of a step on CPU; the lower layers keep their pretrained features.
-    top_layers: int | None = None
+    top_layers: int | None
 
 
 @dataclass(frozen=True)
 class TrainingSettings:
-    epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides epochs (smoke runs, fixed budgets)
-    learning_rate: float = 2e-4
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    max_seq_len: int = 1536  # longer examples are left out (counted), never cut: a cut target teaches broken replies
-    lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
-    merge_lora: bool = True  # save a plain model (loads anywhere, vLLM included) instead of an adapter
+    """An SFT section of params.yaml (experience_model.training, policy.sft.training) plus the run seed; no defaults
+    here, every value comes from params."""
+
+    epochs: float
+    max_steps: int  # > 0 overrides epochs (smoke runs, fixed budgets)
+    learning_rate: float
+    batch_size: int
+    gradient_accumulation_steps: int
+    max_seq_len: int  # longer examples are left out (counted), never cut: a cut target teaches broken replies
+    lora: LoraSettings | None  # None: full fine-tuning
+    merge_lora: bool  # save a plain model (loads anywhere, vLLM included) instead of an adapter
     # "auto": bf16 autocast where the hardware has bf16 matrix units (recent GPUs; CPUs with AMX or AVX512-BF16),
     # else fp32. Forcing bf16 on a CPU without them is ~10-40x slower than fp32 (it is emulated).
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"]
     # Recompute activations in the backward pass: ~30% more compute for much less memory (SmolLM2-135M, batch 4 of
     # ~1,300 tokens, LoRA on all layers, fp32: 21 GB peak without it; LoRA on the top 8 layers: 9 GB).
-    activation_checkpointing: bool = False
-    warmup: float = 0.03  # a ratio of total steps (< 1) or a number of steps
-    logging_steps: int = 5
-    save_steps: int = 50
-    save_total_limit: int = 2
-    seed: int = 0
+    activation_checkpointing: bool
+    warmup: float  # a ratio of total steps (< 1) or a number of steps
+    logging_steps: int
+    save_steps: int
+    save_total_limit: int
+    seed: int
 
 
 

@@ -48,16 +48,18 @@ REJECTIONS_KEPT = 100  # the most recent rejected replies kept for the report (t
 
 @dataclass(frozen=True)
 class CurriculumSettings:
-    enabled: bool = True  # off: the ablation, plain `task_schedule` over the base tasks
-    top_tasks: int = 2  # highest-variance tasks varied per iteration
-    variations_per_task: int = 1
-    max_generated_share: float = 0.5  # lambda: at most this share of an iteration's tasks are generated ones
-    min_variance: float = 1e-6  # a task whose rewards never vary teaches nothing and is not varied
-    max_new_tokens: int = 96
-    temperature: float = 0.7  # sampling, so several variations of one task can differ
-    max_instruction_chars: int = 600  # a longer reply is a model running on, not a task
-    max_state_chars: int = 1500  # the parent's initial state in the prompt (head and tail kept)
-    clusters: int = 4  # PPO: k in k-means over task embeddings
+    """params synthetic_rl.curriculum: no defaults here, every value comes from params."""
+
+    enabled: bool  # off: the ablation, plain `task_schedule` over the base tasks
+    top_tasks: int  # highest-variance tasks varied per iteration
+    variations_per_task: int
+    max_generated_share: float  # lambda: at most this share of an iteration's tasks are generated ones
+    min_variance: float  # a task whose rewards never vary teaches nothing and is not varied
+    max_new_tokens: int
+    temperature: float  # sampling, so several variations of one task can differ
+    max_instruction_chars: int  # a longer reply is a model running on, not a task
+    max_state_chars: int  # the parent's initial state in the prompt (head and tail kept)
+    clusters: int  # PPO: k in k-means over task embeddings
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_generated_share <= 1.0:
@@ -130,9 +132,9 @@ class Curriculum:
     and a task without a cluster is a group of its own.
     """
 
-    def __init__(self, base_tasks: Sequence[Task], settings: CurriculumSettings | None = None,
+    def __init__(self, base_tasks: Sequence[Task], settings: CurriculumSettings,
                  clusters: Mapping[str, int] | None = None) -> None:
-        self.settings = settings or CurriculumSettings()
+        self.settings = settings
         self.base_tasks = list(base_tasks)
         self.tasks_by_id = {task.task_id: task for task in self.base_tasks}
         if len(self.tasks_by_id) != len(self.base_tasks):

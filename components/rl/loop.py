@@ -40,29 +40,38 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class PPOSettings:
+    """PPO only (params synthetic_rl.ppo)."""
+
+    epochs: int  # passes over each iteration's episodes
+    gamma: float  # discount per turn
+    gae_lambda: float
+    value_coef: float
+    value_learning_rate: float
+
+
+@dataclass(frozen=True)
 class RLSettings:
-    algorithm: Literal["grpo", "ppo"] = "grpo"
-    iterations: int = 10
-    tasks_per_iteration: int = 2
-    group_size: int = 4  # episodes per task (GRPO's group)
-    learning_rate: float = 1e-5
-    temperature: float = 1.0  # sampling temperature of the policy in rollouts (and in the trainers' log-probs)
-    beta: float = 0.02  # KL penalty towards the warm-start policy
-    clip_epsilon: float = 0.2
-    max_turns: int = 12
-    max_action_tokens: int = 24
-    max_tokens: int = 3072  # an episode's whole token sequence
-    micro_batch_size: int = 2  # episodes per forward/backward pass (gradients accumulate over the iteration)
-    save_every: int = 1
-    save_total_limit: int = 2
-    lora: LoraSettings | None = LoraSettings(r=16, alpha=32, top_layers=8)
-    # PPO only
-    ppo_epochs: int = 2  # passes over each iteration's episodes
-    gamma: float = 1.0  # discount per turn
-    gae_lambda: float = 0.95
-    value_coef: float = 0.5
-    value_learning_rate: float = 1e-4
-    seed: int = 0
+    """params synthetic_rl, with policy.max_turns, policy.max_action_tokens and the run seed: no defaults here, every
+    value comes from params (the builders make it; sim_to_real replaces the schedule with its own)."""
+
+    algorithm: Literal["grpo", "ppo"]
+    iterations: int
+    tasks_per_iteration: int
+    group_size: int  # episodes per task (GRPO's group)
+    learning_rate: float
+    temperature: float  # sampling temperature of the policy in rollouts (and in the trainers' log-probs)
+    beta: float  # KL penalty towards the warm-start policy
+    clip_epsilon: float
+    max_turns: int
+    max_action_tokens: int
+    max_tokens: int  # an episode's whole token sequence
+    micro_batch_size: int  # episodes per forward/backward pass (gradients accumulate over the iteration)
+    save_every: int
+    save_total_limit: int
+    lora: LoraSettings | None
+    ppo: PPOSettings
+    seed: int
 
     @property
     def episodes_per_iteration(self) -> int:

@@ -32,11 +32,13 @@ SYSTEM = ("You are an agent acting in an environment to complete a task. Each us
 
 @dataclass(frozen=True)
 class PolicyFormat:
-    max_state_chars: int = 600  # each state in the conversation
+    """params policy.prompt: no defaults here, every value comes from params."""
+
+    max_state_chars: int  # each state in the conversation
     # The seed and synthetic states carry no list of valid actions (only real engines know them), so a policy
-    # trained there would meet the list first at evaluation: off by default, on for data that carries them.
-    show_valid_actions: bool = False
-    max_valid_actions: int = 40
+    # trained there would meet the list first at evaluation: off for such data, on for data that carries them.
+    show_valid_actions: bool
+    max_valid_actions: int
 
 
 def state_message(observation: Observation, fmt: PolicyFormat, task: Task | None = None) -> Message:
@@ -104,14 +106,14 @@ def sft_examples(trajectories: Sequence[Trajectory], fmt: PolicyFormat) -> Datas
 
 
 def next_action_accuracy(backend: HFGenerationBackend, trajectories: Sequence[Trajectory], fmt: PolicyFormat,
-                         max_new_tokens: int = 24) -> dict[str, float | int]:
+                         max_action_tokens: int) -> dict[str, float | int]:
     """Teacher-forced: the share of steps where the policy's greedy action equals the trajectory's (normalised).
 
     A cheap signal before closed-loop evaluation: each step is predicted from the true conversation so far, so
     one early mistake does not spoil the rest. `by_step` shows where in the episodes the policy is right.
     """
     dataset = sft_examples(trajectories, fmt)
-    replies = backend.generate(list(dataset["prompt"]), max_new_tokens=max_new_tokens, temperature=0.0)
+    replies = backend.generate(list(dataset["prompt"]), max_new_tokens=max_action_tokens, temperature=0.0)
     hits = [normalise_action(parse_action(reply)) == normalise_action(row[0]["content"])
             for reply, row in zip(replies, dataset["completion"], strict=True)]
     by_step: dict[int, list[bool]] = {}
@@ -124,7 +126,7 @@ def next_action_accuracy(backend: HFGenerationBackend, trajectories: Sequence[Tr
 # ---- acting in an environment ----------------------------------------------------------------------------------
 
 
-def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_new_tokens: int = 24,
+def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_action_tokens: int,
                temperature: float = 0.0) -> Policy:
     """A `Policy` for the evaluation harness: one call per step; it keeps its episode's observations, so make a
     new one per episode (the harness does: `make_policy(env)` per task)."""
@@ -135,17 +137,18 @@ def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_new_tokens: 
             observations.clear()
         observations.append(observation)
         messages = conversation(task, observations, [action for _, action in history], fmt)
-        return parse_action(backend.generate([messages], max_new_tokens=max_new_tokens, temperature=temperature)[0])
+        return parse_action(backend.generate([messages], max_new_tokens=max_action_tokens,
+                                             temperature=temperature)[0])
 
     return act
 
 
 def policy_factory(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: PolicyFormat,
-                   max_new_tokens: int = 24):
+                   max_action_tokens: int):
     """`make_policy(env)` for `evaluation.evaluate_policy`: greedy actions from one shared model."""
     backend = HFGenerationBackend(model, tokenizer, batch_size=1)
 
     def make(env: Environment) -> Policy:
-        return llm_policy(backend, fmt, max_new_tokens)
+        return llm_policy(backend, fmt, max_action_tokens)
 
     return make

@@ -11,9 +11,9 @@ The MDP is turn-level: a state is the token sequence up to a decision point, an 
    so the value loss shapes the shared layers (the adapter) too, as in TRL's value-head models.
 3. GAE over turns gives each turn an advantage and a return; advantages are normalised over the iteration's turns
    and every token of an action shares its turn's advantage.
-4. `ppo_epochs` optimizer steps, each over all episodes in micro-batches (micro-batches only bound memory: the
+4. `ppo.epochs` optimizer steps, each over all episodes in micro-batches (micro-batches only bound memory: the
    gradients accumulate over the iteration): per-token clipped surrogate on the policy's tokens only, plus
-   `beta` x KL to the reference (k3 estimator), plus `value_coef` x MSE of the values to the returns.
+   `beta` x KL to the reference (k3 estimator), plus `ppo.value_coef` x MSE of the values to the returns.
 
 Layout and resuming mirror components/rl/grpo.py: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer,
 RNG states, then the replay buffer, curriculum and iteration log as of iteration N), `out_dir/model` the merged
@@ -235,7 +235,8 @@ def ppo_update(model: PreTrainedModel, reference: PreTrainedModel | None, value_
         # reward can come, and bootstrapping would credit slow episodes with rewards they can never collect. (After a
         # token-limit cut the last position is not even a decision point the value head was trained on.)
         episode_advantages, episode_returns = turn_advantages(episode.rewards, values_per_turn[turn:turn + n],
-                                                              settings.gamma, settings.gae_lambda, last_value=0.0)
+                                                              settings.ppo.gamma, settings.ppo.gae_lambda,
+                                                              last_value=0.0)
         advantages += episode_advantages
         returns += episode_returns
         turn += n
@@ -252,14 +253,14 @@ def ppo_update(model: PreTrainedModel, reference: PreTrainedModel | None, value_
     n_turns = len(advantages)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl", "entropy", "clip_ratio", "grad_norm"), 0.0)
-    for _ in range(settings.ppo_epochs):
+    for _ in range(settings.ppo.epochs):
         optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             logprobs, entropy, batch_values = sequence_logprobs_and_values(model, value_head, batch, temperature)
             policy = ppo_loss(logprobs, batch.old_logprobs, batch.ref_logprobs, batch.advantages[batch.token_turn],
                               batch.policy_mask, settings.clip_epsilon, settings.beta, n_tokens)
             value_loss = ((batch_values - batch.returns) ** 2).sum() / n_turns
-            loss = policy.total + settings.value_coef * value_loss
+            loss = policy.total + settings.ppo.value_coef * value_loss
             loss.backward()  # gradients accumulate over the micro-batches: one step per epoch
             for key, number in (("loss", loss), ("policy_loss", policy.surrogate), ("value_loss", value_loss),
                                 ("kl", policy.kl), ("clip_ratio", policy.clip_ratio),
@@ -267,7 +268,7 @@ def ppo_update(model: PreTrainedModel, reference: PreTrainedModel | None, value_
                 totals[key] += number.item()
         totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(parameters, MAX_GRAD_NORM).item()
         optimizer.step()
-    update: dict[str, float | None] = {key: total / settings.ppo_epochs for key, total in totals.items()}
+    update: dict[str, float | None] = {key: total / settings.ppo.epochs for key, total in totals.items()}
     if batches[0].ref_logprobs is None:
         update["kl"] = None  # no reference policy: nothing was measured
     return update
@@ -318,7 +319,7 @@ def make_optimizer(model: PreTrainedModel, value_head: torch.nn.Linear, settings
 
     return torch.optim.AdamW([
         {"params": [p for p in model.parameters() if p.requires_grad], "lr": settings.learning_rate},
-        {"params": list(value_head.parameters()), "lr": settings.value_learning_rate},
+        {"params": list(value_head.parameters()), "lr": settings.ppo.value_learning_rate},
     ])
 
 

@@ -26,11 +26,11 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from components.data.contract import Task, Trajectory, read_records, write_records
+from components.data.contract import Task, Trajectory, Transition, read_records, transitions, write_records
 
 log = logging.getLogger(__name__)
 
@@ -43,37 +43,37 @@ _MAX_LINE_CHARS = 90
 _MAX_TEACHER_TRACE_CHARS = 1200
 
 
-@dataclass(frozen=True)
-class AnnotatedTransition:
-    """One seed step with its reasoning trace; the records of one trajectory share `trajectory_id`.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnnotatedTransition(Transition):
+    """One seed step (a contract `Transition`) with its reasoning trace; the records of one trajectory share
+    `trajectory_id`.
 
-    History is not stored: it is rebuilt from the earlier steps of the same trajectory (`step_index` orders them),
-    so the experience model's history length stays a training knob instead of being frozen into the data.
+    History is not stored (`history` is empty): it is rebuilt from the earlier steps of the same trajectory
+    (`step_index` orders them), so the experience model's history length stays a training knob instead of being
+    frozen into the data. `reasoning` and `annotator` are keyword-only.
     """
 
-    trajectory_id: str
-    step_index: int
-    task: Task
-    state: str
-    action: str
-    next_state: str
-    reward: float
-    done: bool
-    source: str
-    info: dict[str, Any]
     reasoning: str
     annotator: str  # DETERMINISTIC, or the teacher's name
 
+    @classmethod
+    def of(cls, transition: Transition, reasoning: str, annotator: str) -> AnnotatedTransition:
+        """`transition` with its trace; its history is left out (not stored, see above)."""
+        shared = {f.name: getattr(transition, f.name) for f in fields(Transition) if f.name != "history"}
+        return cls(**shared, reasoning=reasoning, annotator=annotator)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # Task is a dataclass too: it becomes the contract's task object
+        """The stored record: every field but `history`, in field order (the file's key order)."""
+        record = asdict(self)  # Task is a dataclass too: it becomes the contract's task object
+        del record["history"]
+        return record
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any]) -> AnnotatedTransition:
-        task = record["task"]
         return cls(
             trajectory_id=record["trajectory_id"],
             step_index=int(record["step_index"]),
-            task=Task(task["task_id"], task["environment"], task["instruction"], task.get("parameters") or {}),
+            task=Task.from_dict(record["task"]),
             state=record["state"],
             action=record["action"],
             next_state=record["next_state"],
@@ -317,22 +317,9 @@ def iter_steps(trajectories: Iterable[Trajectory]) -> Iterator[AnnotatedTransiti
     """Every step as an AnnotatedTransition with its deterministic trace (the final trace, or a teacher's facts)."""
     for trajectory in trajectories:
         previous_info: Mapping[str, Any] | None = None
-        for index, step in enumerate(trajectory.steps):
-            yield AnnotatedTransition(
-                trajectory_id=trajectory.trajectory_id,
-                step_index=index,
-                task=trajectory.task,
-                state=step.state,
-                action=step.action,
-                next_state=step.next_state,
-                reward=step.reward,
-                done=step.done,
-                source=trajectory.source,
-                info=dict(step.info),
-                reasoning=deterministic_trace(step, previous_info),
-                annotator=DETERMINISTIC,
-            )
-            previous_info = step.info
+        for transition in transitions(trajectory, history_length=0):
+            yield AnnotatedTransition.of(transition, deterministic_trace(transition, previous_info), DETERMINISTIC)
+            previous_info = transition.info
 
 
 def annotate(

@@ -59,15 +59,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """What goes into a prompt and a target. The same values must be used for training and for inference."""
+    """What goes into a prompt and a target. The same values must be used for training and for inference.
 
-    use_reasoning: bool = True  # ablation: the target carries a reasoning section
-    use_retrieval: bool = True  # ablation: the prompt carries retrieved examples
-    history_length: int = 3  # earlier (state, action) pairs shown, most recent last
-    top_k: int = 3  # retrieved examples shown
-    max_state_chars: int = 4000  # the current state (and the target's next state is never cut)
-    history_state_chars: int = 120  # each history state: history is mostly context for the actions
-    example_state_chars: int = 300  # each retrieved example's state and next state
+    params experience_model.prompt: no defaults here, every value comes from params."""
+
+    use_reasoning: bool  # ablation: the target carries a reasoning section
+    use_retrieval: bool  # ablation: the prompt carries retrieved examples
+    history_length: int  # earlier (state, action) pairs shown, most recent last
+    top_k: int  # retrieved examples shown
+    max_state_chars: int  # the current state (and the target's next state is never cut)
+    history_state_chars: int  # each history state: history is mostly context for the actions
+    example_state_chars: int  # each retrieved example's state and next state
 
 
 # ---- prompt and target ----------------------------------------------------------------------------------------
@@ -202,8 +204,8 @@ def sft_examples(
     annotated: Sequence[AnnotatedTransition],
     buffer: ReplayBuffer | None,
     fmt: PromptFormat,
-    outcome_repeats: int = 1,
-    lookalike_repeats: int = 1,
+    outcome_repeats: int,
+    lookalike_repeats: int,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
 
@@ -212,7 +214,7 @@ def sft_examples(
     never sees a success.
     Look-alikes (`contract.is_lookalike`: unrewarded steps of a command rewarded elsewhere, `eat meal` with no meal)
     appear `lookalike_repeats` times. Why: repeating only the rewarded `eat meal` teaches "eat meal wins" whatever the
-    state (reports/studies/experience_model/on_policy/).
+    state (reports/research/experience_model/on_policy/).
 
     History is rebuilt from the earlier steps of each transition's trajectory. Grounding examples come from
     `buffer.retrieve_examples`, which never returns the transition's own trajectory: the buffer holds the seed data
@@ -361,12 +363,13 @@ def predict(
     backend: GenerationBackend,
     queries: Sequence[ExperienceQuery],
     fmt: PromptFormat,
-    retries: int = 1,
-    max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    retry_temperature: float = 0.7,
+    *,
+    retries: int,
+    max_new_tokens: int,
+    temperature: float,
+    retry_temperature: float,
+    reward_range: tuple[float, float] | None,
     stats: PredictionStats | None = None,
-    reward_range: tuple[float, float] | None = None,
 ) -> list[Prediction]:
     """One prediction per query, in order; never raises on bad output or a failing backend.
 

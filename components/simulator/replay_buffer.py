@@ -30,14 +30,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlparse
 
 import numpy as np
 
-from components.data.contract import Transition
+from components.data.contract import TaskRef, Transition
 from components.files import atomic_directory
 
 if TYPE_CHECKING:
@@ -110,25 +110,55 @@ def _normalised(vectors: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------- the records
+def _transition_field(name: str) -> property:
+    return property(lambda record: getattr(record.transition, name), doc=f"the transition's {name}")
+
+
 @dataclass(frozen=True, slots=True)
 class Retrieved:
-    """A stored transition as the experience model sees it, with its cosine similarity to the query."""
+    """A stored transition as the experience model sees it: the contract `Transition`, where the buffer got it
+    (`source`: real or synthetic), and its cosine similarity to the query.
 
-    environment: str
-    task_id: str
-    trajectory_id: str
-    step_index: int
-    state: str
-    action: str
-    next_state: str
-    reward: float
-    done: bool
+    The buffer stores a task's id and environment, not its instruction, so `transition.task` is a `TaskRef`: no
+    reader of a retrieved record needs the instruction (prompts show examples' states, actions and outcomes), and one
+    that needs the task looks it up by `task_id` (as `synthetic.episodes_from_buffer` does).
+    """
+
+    transition: Transition  # history and info are not stored: always empty here
     source: Source  # real or synthetic: where the buffer got it
-    origin: str  # the trajectory's contract source: expert, random, policy, synthetic, human
     score: float = float("nan")  # cosine similarity; NaN on a stored record that no query produced
 
+    # The stored columns read through to the transition (`origin` is its contract source: expert, random, ...).
+    trajectory_id = _transition_field("trajectory_id")
+    step_index = _transition_field("step_index")
+    state = _transition_field("state")
+    action = _transition_field("action")
+    next_state = _transition_field("next_state")
+    reward = _transition_field("reward")
+    done = _transition_field("done")
+    origin = _transition_field("source")
 
-COLUMNS = tuple(f.name for f in fields(Retrieved) if f.name != "score")
+    @property
+    def environment(self) -> str:
+        return self.transition.task.environment
+
+    @property
+    def task_id(self) -> str:
+        return self.transition.task.task_id
+
+    @classmethod
+    def from_columns(cls, environment: str, task_id: str, trajectory_id: str, step_index: int, state: str,
+                     action: str, next_state: str, reward: float, done: bool, source: Source, origin: str,
+                     score: float = float("nan")) -> Retrieved:
+        """A record from its stored columns (`COLUMNS`, in that order), and its score when a query found it."""
+        return cls(Transition(trajectory_id, step_index, TaskRef(task_id, environment), state, action, next_state,
+                              reward, done, origin), source, score)
+
+
+# The stored columns (metadata.parquet's, a Weaviate collection's properties), in stored order: attributes of
+# Retrieved, and `Retrieved.from_columns`'s arguments. Changing them changes every saved buffer.
+COLUMNS = ("environment", "task_id", "trajectory_id", "step_index", "state", "action", "next_state", "reward", "done",
+           "source", "origin")
 
 
 def _record(transition: Transition, source: Source) -> Retrieved:
@@ -137,9 +167,9 @@ def _record(transition: Transition, source: Source) -> Retrieved:
     if source == "real" and transition.source == "synthetic":
         raise ValueError(f"transition {transition.trajectory_id}/{transition.step_index} comes from a synthetic "
                          "trajectory and cannot be added as real")
-    return Retrieved(transition.task.environment, transition.task.task_id, transition.trajectory_id,
-                     transition.step_index, transition.state, transition.action, transition.next_state,
-                     float(transition.reward), bool(transition.done), source, transition.source)
+    return Retrieved.from_columns(transition.task.environment, transition.task.task_id, transition.trajectory_id,
+                                  transition.step_index, transition.state, transition.action, transition.next_state,
+                                  float(transition.reward), bool(transition.done), source, transition.source)
 
 
 # ----------------------------------------------------------------------------------------------- the interface
@@ -465,7 +495,8 @@ class FaissReplayBuffer(ReplayBuffer):
         buffer = cls(encoder)
         buffer._dimension = manifest["dimension"]
         table = pq.read_table(directory / "metadata.parquet")
-        buffer._records = [Retrieved(*row) for row in zip(*(table.column(c).to_pylist() for c in COLUMNS))]
+        columns = (table.column(c).to_pylist() for c in COLUMNS)
+        buffer._records = [Retrieved.from_columns(*row) for row in zip(*columns)]
         for global_id, record in enumerate(buffer._records):
             buffer._rows.setdefault(record.environment, []).append(global_id)  # id order = index row order
             buffer._keys.add((record.trajectory_id, record.step_index))
@@ -652,8 +683,8 @@ class WeaviateReplayBuffer(ReplayBuffer):
         for obj in self.collection.iterator(include_vector=include_vector, return_properties=list(COLUMNS),
                                             cache_size=self.import_batch_size):
             properties = obj.properties
-            record = Retrieved(**{name: _CANONICAL.get(name, str)("" if properties.get(name) is None else
-                                                                   properties[name]) for name in COLUMNS})
+            record = Retrieved.from_columns(**{name: _CANONICAL.get(name, str)(
+                "" if properties.get(name) is None else properties[name]) for name in COLUMNS})
             yield record, (obj.vector[self.VECTOR] if include_vector else None)
 
     def _stored(self, keys: set[tuple[str, int]]) -> set[tuple[str, int]]:
@@ -711,8 +742,9 @@ class WeaviateReplayBuffer(ReplayBuffer):
                 near_vector=vector.tolist(), target_vector=self.VECTOR, limit=k, filters=where,
                 return_metadata=MetadataQuery(distance=True), return_properties=list(COLUMNS),
             )
-            hits = [Retrieved(**{name: obj.properties[name] for name in COLUMNS},
-                              score=1.0 - float(obj.metadata.distance))  # cosine distance = 1 - cosine similarity
+            # cosine distance = 1 - cosine similarity
+            hits = [Retrieved.from_columns(**{name: obj.properties[name] for name in COLUMNS},
+                                           score=1.0 - float(obj.metadata.distance))
                     for obj in response.objects]
             results.append(sorted(hits, key=lambda r: -r.score))
         return results

@@ -51,21 +51,23 @@ class SyntheticEnvironment(Environment):
         buffer: ReplayBuffer | None,
         fmt: PromptFormat,
         *,
-        top_k: int = 3,
-        retries: int = 1,
+        retries: int,
+        max_new_tokens: int,
+        temperature: float,
+        retry_temperature: float,
+        reward_range: tuple[float, float] | None,
         stats: PredictionStats | None = None,
-        max_history: int = 3,
-        max_new_tokens: int = 512,
-        temperature: float = 0.0,
-        reward_range: tuple[float, float] | None = None,
         success_reward: float | None = None,
         initial_states: Mapping[str, str] | None = None,
     ) -> None:
+        """`fmt` (params experience_model.prompt) also sets the history length and the number of retrieved
+        examples; the keywords up to `reward_range` are `experience_model.predict`'s (params
+        experience_model.inference, data.reward_range), with no defaults here."""
         self.name = name  # type: ignore[misc]  # per instance: the real environment this one imitates
         self.backend, self.buffer, self.fmt = backend, buffer, fmt
-        self.top_k, self.retries, self.max_history = top_k, retries, max_history
+        self.retries, self.max_new_tokens, self.temperature = retries, max_new_tokens, temperature
+        self.retry_temperature, self.reward_range = retry_temperature, reward_range
         self.stats = stats if stats is not None else PredictionStats()
-        self.max_new_tokens, self.temperature, self.reward_range = max_new_tokens, temperature, reward_range
         self.success_reward = success_reward  # a final reward that wins (contract.success_rewards); None: any > 0
         self.initial_states = dict(initial_states or {})
         self.episode: SyntheticEpisode | None = None
@@ -102,11 +104,12 @@ class SyntheticEnvironment(Environment):
         if any(episode.done for episode in episodes):
             raise RuntimeError("an episode is over: start a new one")
         examples = self._retrieve(episodes, actions)
-        queries = [ExperienceQuery(ep.task, ep.state, action, ep.history(self.max_history), found)
+        queries = [ExperienceQuery(ep.task, ep.state, action, ep.history(self.fmt.history_length), found)
                    for ep, action, found in zip(episodes, actions, examples, strict=True)]
         predictions = predict(self.backend, queries, self.fmt, retries=self.retries,
-                              max_new_tokens=self.max_new_tokens, temperature=self.temperature, stats=self.stats,
-                              reward_range=self.reward_range)
+                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              retry_temperature=self.retry_temperature, reward_range=self.reward_range,
+                              stats=self.stats)
         results = []
         for episode, action, prediction in zip(episodes, actions, predictions, strict=True):
             info = {"synthetic": True, "fallback": prediction.fallback, "reasoning": prediction.reasoning,
@@ -124,7 +127,7 @@ class SyntheticEnvironment(Environment):
             return [[] for _ in episodes]
         return self.buffer.retrieve_examples(
             [(e.task.environment, e.state, a, e.trajectory_id) for e, a in zip(episodes, actions, strict=True)],
-            self.top_k)
+            self.fmt.top_k)
 
 
 # -- write-back ---------------------------------------------------------------------------------------------------

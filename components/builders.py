@@ -1,0 +1,198 @@
+"""params.yaml sections made into the objects the stages run: the saved buffer, the seed splits, prompt formats,
+RL settings, the experience model as a backend, predictor or synthetic environment, the curriculum.
+
+Shared by the stages (`stages/`), the research scripts and the benchmarks, so they all build from params alike. Settings
+objects get every field from params (`section.model_dump()`), never a class default. Heavy modules load inside the
+functions that need them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from components.config import Params, TrainingParams
+from components.data.contract import TRAJECTORIES, Trajectory, is_heldout_task, read_trajectories
+from components.llm import backends
+
+
+def saved_buffer(params: Params, root: Path, directory: str | Path | None = None):
+    """The buffer index_buffer saved (or one saved in `directory`), with the encoder it was built with (also used to
+    score similarity; the model loads on the first encoding only)."""
+    from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer
+
+    encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
+    return load_replay_buffer(root / (directory or params.buffer.out_dir), encoder)
+
+
+def experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
+    """Seed trajectories of the environments the experience model simulates."""
+    return [t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
+            if t.task.environment in params.experience_model.environments]
+
+
+def policy_trajectories(params: Params, root: Path, heldout: bool) -> list[Trajectory]:
+    """Seed trajectories of the policy's environments, of training tasks (or of held-out ones)."""
+    fraction = params.data.heldout_task_fraction
+    return [t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
+            if t.task.environment in params.policy.environments
+            and is_heldout_task(t.task.task_id, fraction) == heldout]
+
+
+def demonstrations(params: Params, trajectories: list[Trajectory]) -> list[Trajectory]:
+    """What the warm start imitates: successful episodes of the configured sources."""
+    return [t for t in trajectories if t.success and t.source in params.policy.sft.sources]
+
+
+def heldout_demonstrations(params: Params, root: Path) -> list[Trajectory]:
+    """Held-out seed demonstrations scored for next-action accuracy (at most policy.accuracy_trajectories)."""
+    heldout = demonstrations(params, policy_trajectories(params, root, heldout=True))
+    return heldout[:params.policy.accuracy_trajectories]
+
+
+def training_settings(training: TrainingParams, seed: int):
+    """An SFT section (experience_model.training, policy.sft.training) as `sft.TrainingSettings`."""
+    from components.llm import sft
+
+    lora = sft.LoraSettings(**training.lora.model_dump()) if training.lora else None
+    return sft.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=seed)
+
+
+def prompt_format(params: Params):
+    """The experience model's prompt format (experience_model.prompt), an `experience_model.PromptFormat`."""
+    from components.simulator.experience_model import PromptFormat
+
+    return PromptFormat(**params.experience_model.prompt.model_dump())
+
+
+def policy_format(params: Params):
+    """The policy's prompt format (policy.prompt), a `policy.PolicyFormat`."""
+    from components.rl.policy import PolicyFormat
+
+    return PolicyFormat(**params.policy.prompt.model_dump())
+
+
+def rl_tasks(params: Params, root: Path) -> list:
+    """Training tasks of the policy's environments, each with its seed first state (the synthetic reset)."""
+    from components.simulator.synthetic import first_state_tasks
+
+    tasks = first_state_tasks(policy_trajectories(params, root, heldout=False))
+    return sorted(tasks, key=lambda task: task.task_id)
+
+
+def rl_settings(params: Params):
+    """synthetic_rl with the policy's turn and action limits and the run seed, as `loop.RLSettings`."""
+    from components.llm.sft import LoraSettings
+    from components.rl.loop import PPOSettings, RLSettings
+
+    rl = params.synthetic_rl
+    return RLSettings(
+        **rl.model_dump(exclude={"out_dir", "lora", "ppo", "curriculum"}),
+        lora=LoraSettings(**rl.lora.model_dump()) if rl.lora else None, ppo=PPOSettings(**rl.ppo.model_dump()),
+        max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens, seed=params.seed)
+
+
+def experience_backend(params: Params, root: Path) -> Any:
+    """The trained experience model behind the configured inference backend; replies stop at their last tag."""
+    from components.simulator import experience_model as em
+
+    inference, out_dir = params.experience_model.inference, params.experience_model.out_dir
+    model = params.models.experience if inference.backend == "openai" else str(root / out_dir / "model")
+    return backends.make_backend(inference.backend, model, inference.batch_size, inference.base_url,
+                                 stop=(em.REPLY_END,))
+
+
+def experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -> Any:
+    """The trained experience model as a fidelity predictor (`fidelity.model_predictor`), with the prompt format and
+    inference settings in params; `stats` (an `experience_model.PredictionStats`) counts its requests and fallbacks."""
+    from components.simulator import fidelity
+
+    inference = params.experience_model.inference
+    return fidelity.model_predictor(
+        experience_backend(params, root), prompt_format(params), buffer,
+        retries=inference.retries, max_new_tokens=inference.max_new_tokens, temperature=inference.temperature,
+        retry_temperature=inference.retry_temperature, stats=stats, reward_range=reward_range(params))
+
+
+def success_rewards(params: Params, root: Path) -> dict[str, float]:
+    """Per environment, the final reward that wins in a simulated episode: the lowest of the seed's successes on
+    training tasks (held-out games only measure)."""
+    from components.data import contract
+
+    fraction = params.data.heldout_task_fraction
+    return contract.success_rewards(t for t in read_trajectories(root / params.data.dir / TRAJECTORIES)
+                                    if not is_heldout_task(t.task.task_id, fraction))
+
+
+def reward_range(params: Params) -> tuple[float, float]:
+    """The contract's reward range (data.reward_range) as a (low, high) pair."""
+    low, high = params.data.reward_range
+    return low, high
+
+
+def fallback_budget(params: Params) -> Any:
+    """How often the experience model may fail before a stage using it stops (experience_model.FallbackBudget)."""
+    from components.simulator.experience_model import FallbackBudget
+
+    settings = params.experience_model
+    return FallbackBudget(settings.max_fallback_rate, settings.max_backend_error_rate)
+
+
+def synthetic_environments(params: Params, root: Path, buffer: Any, names: list[str]) -> tuple[list, Any]:
+    """Synthetic environments imitating `names` (the trained experience model + `buffer`) and their shared
+    prediction counters."""
+    from components.simulator import experience_model as em
+    from components.simulator.synthetic import SyntheticEnvironment
+
+    fmt, inference = prompt_format(params), params.experience_model.inference
+    backend = experience_backend(params, root)
+    stats = em.PredictionStats()
+    wins = success_rewards(params, root)
+    envs = [SyntheticEnvironment(name, backend, buffer, fmt, retries=inference.retries,
+                                 max_new_tokens=inference.max_new_tokens, temperature=inference.temperature,
+                                 retry_temperature=inference.retry_temperature, reward_range=reward_range(params),
+                                 stats=stats, success_reward=wins.get(name))
+            for name in names]
+    return envs, stats
+
+
+def run_identity(*parts: Any) -> str:
+    """Where an RL run's episodes come from, for its checkpoints' fingerprint: directories (the experience model,
+    the buffer) by content, settings by value."""
+    from components.files import directory_sha256
+
+    return json.dumps([directory_sha256(p) if isinstance(p, Path) and p.is_dir() else
+                       p.model_dump() if hasattr(p, "model_dump") else p for p in parts], sort_keys=True, default=str)
+
+
+def curriculum_settings(params: Params, enabled: bool | None = None):
+    """synthetic_rl.curriculum as `curriculum.CurriculumSettings`; `enabled` overrides its switch (sim_to_real
+    turns the curriculum off: real tasks cannot be invented)."""
+    from components.rl.curriculum import CurriculumSettings
+
+    settings = params.synthetic_rl.curriculum.model_dump()
+    return CurriculumSettings(**settings if enabled is None else {**settings, "enabled": enabled})
+
+
+def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[Any, Any]:
+    """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
+    (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
+    reward variance over clusters of similar tasks, since its episodes are not grouped by task."""
+    from components.rl.curriculum import INSTRUCTION_END, Curriculum, cluster_tasks
+
+    settings = params.synthetic_rl.curriculum
+    clusters = None
+    if params.synthetic_rl.algorithm == "ppo" and settings.enabled:
+        clusters = cluster_tasks(tasks, buffer.encoder, settings.clusters, params.seed)
+    curriculum = Curriculum(tasks, curriculum_settings(params), clusters=clusters)
+    if not settings.enabled or settings.top_tasks == 0:
+        return curriculum, None
+    inference = params.experience_model.inference
+    if inference.backend == "openai":
+        return curriculum, backends.make_backend("openai", params.models.experience, inference.batch_size,
+                                                 inference.base_url, stop=(INSTRUCTION_END,))
+    from components.llm.models import resolve_model
+
+    backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
+    return curriculum, backends.make_backend(inference.backend, str(backbone), inference.batch_size,
+                                             stop=(INSTRUCTION_END,))

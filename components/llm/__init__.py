@@ -1,0 +1,1 @@
+"""Language models: loading (packaged offline defaults, hub ids, paths), SFT, and generation backends."""

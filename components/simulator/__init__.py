@@ -1,0 +1,1 @@
+"""The learned simulator: replay buffer, reasoning annotation, experience model, synthetic environment, fidelity."""

@@ -1,0 +1,17 @@
+"""evaluate_baselines (was `evaluate`): the scripted expert and random policies on held-out tasks of each real
+environment, success with confidence intervals. The report is the evaluation's own (`baseline_report`)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from components.config import Params
+from components.reports import write_stage_outputs
+from components.results.evaluation import evaluate_baselines
+
+
+def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Expert and random baselines on held-out tasks of each real environment (success with confidence intervals)."""
+    metrics, report = evaluate_baselines(params)
+    write_stage_outputs("evaluate_baselines", metrics, report, root)
+    return metrics
