@@ -9,7 +9,7 @@ import pytest
 
 from components.data.contract import Step, Task, Trajectory
 from components.envs.base import Observation
-from components.llm.backends import HFGenerationBackend
+from components.llm.backends import ConversationBackend, HFGenerationBackend
 from components.llm.models import build_tiny_causal_lm
 from components.rl.policy import (
     conversation,
@@ -89,6 +89,27 @@ def test_llm_policy_keeps_its_episode():
     assert act(TASK, Observation("a"), []) == "turn 1"
     assert act(TASK, Observation("b"), [("a", "turn 1")]) == "turn 2"
     assert act(TASK, Observation("c"), []) == "turn 1"  # a new episode starts over
+
+
+def test_a_conversation_encoded_once_plays_the_same_actions_as_one_encoded_every_turn(tiny):
+    """Greedy play through ConversationBackend (the key/value cache carried from turn to turn) and through
+    HFGenerationBackend (the whole conversation encoded every turn) gives the same replies, turn for turn, over
+    several episodes in a row, while the cached one encodes only the new tokens of each turn."""
+    model, tokenizer = tiny
+    states = ["You are in a kitchen.", "The fridge is open. You see a potato.", "You take the potato.",
+              "The potato is sliced.", "You eat the meal. It is delicious."]
+    cached = ConversationBackend(model, tokenizer)
+    for task in (TASK, Task("tw-2", ENV, "Slice a potato.", {}), TASK):
+        fresh_policy = llm_policy(HFGenerationBackend(model, tokenizer, batch_size=1), POLICY_FORMAT, 6)
+        cached_policy = llm_policy(cached, POLICY_FORMAT, 6)
+        history: list[tuple[str, str]] = []
+        for state in states:
+            action = fresh_policy(task, Observation(state), history)
+            assert cached_policy(task, Observation(state), history) == action
+            history.append((state, action))
+    assert cached.encoded_tokens < cached.prompt_tokens / 3  # three episodes of five turns: mostly from the cache
+    with pytest.raises(ValueError, match="one conversation"):
+        cached.generate(["a", "b"], max_new_tokens=1)
 
 
 def test_rollout_tokens_masks_and_episode_ends(tiny):

@@ -53,7 +53,7 @@ class HFGenerationBackend:
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         import torch
 
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         replies: list[str] = [""] * len(encoded)
         self.model.eval()
@@ -62,8 +62,7 @@ class HFGenerationBackend:
             batch = order[start: start + self.batch_size]
             inputs = self.tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding_side="left",
                                         return_tensors="pt").to(self.model.device)
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
-                if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            sampling = sampling_settings(temperature)
             stopping = {"stop_strings": self.stop, "tokenizer": self.tokenizer} if self.stop else {}
             with torch.inference_mode():
                 output = self.model.generate(**inputs, max_new_tokens=max_new_tokens,
@@ -78,11 +77,72 @@ class HFGenerationBackend:
                          new_tokens.shape[1], elapsed / done, elapsed / done * (batches - done))
         return replies
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):  # already a full prompt: the tokenizer adds BOS where the model wants one
-            return self.tokenizer(prompt)["input_ids"]
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has them
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: chat messages through the chat template (with the assistant's header), strings as they
+    are (the tokenizer adds BOS where the model wants one)."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has them
+
+
+def sampling_settings(temperature: float) -> dict[str, Any]:
+    """`generate` keywords: greedy at temperature 0 (reproducible), else plain sampling at that temperature."""
+    if temperature > 0:
+        return {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+    return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+
+
+class ConversationBackend:
+    """Generation for ONE growing conversation (an episode), encoding only what is new at each turn.
+
+    Every call renders and tokenizes the whole prompt exactly as `HFGenerationBackend` does, then keeps the
+    key/value cache of the longest prefix those tokens share with the ones already run through the model: a turn
+    pays for its new observation and its reply, not for the conversation so far. The cache is cut back to that
+    prefix, so whatever text the caller puts in the conversation (a parsed action rather than the raw reply) is what
+    the model sees: the same token ids as `HFGenerationBackend` at batch 1. One prompt per call; one object per
+    episode (or per thread: a new conversation reuses whatever prefix it shares, the system turn at least).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.cache: Any = None
+        self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        self.prompt_tokens = 0  # prompt tokens seen, and of them encoded (the rest came from the cache)
+        self.encoded_tokens = 0
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        import torch
+        from transformers import DynamicCache
+
+        if len(prompts) != 1:
+            raise ValueError(f"a ConversationBackend continues one conversation: got {len(prompts)} prompts")
+        ids = encode_prompt(self.tokenizer, prompts[0])
+        shared = 0
+        for cached, new in zip(self.cached_ids, ids[:-1]):  # at least the last token is encoded: it gives the logits
+            if cached != new:
+                break
+            shared += 1
+        if shared == 0 or self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+            shared = 0
+        elif (surplus := self.cache.get_seq_length() - shared) > 0:
+            self.cache.crop(-surplus)  # back to the shared prefix
+        self.prompt_tokens += len(ids)
+        self.encoded_tokens += len(ids) - shared
+        self.model.eval()
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=torch.tensor([ids], device=self.model.device), attention_mask=torch.ones(
+                    1, len(ids), dtype=torch.long, device=self.model.device), past_key_values=self.cache,
+                max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                **sampling_settings(temperature))
+        sequence = output[0].tolist()
+        self.cached_ids = sequence[:self.cache.get_seq_length()]
+        return [self.tokenizer.decode(sequence[len(ids):], skip_special_tokens=True)]
 
 
 class OpenAICompatibleBackend:

@@ -200,6 +200,9 @@ def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ou
                 settings: TrainingSettings) -> Path:
     if settings.lora is not None and settings.merge_lora:
         trained = trained.merge_and_unload()
+    # Training turns the KV cache off; a saved model is for inference, and a run that resumed after its last
+    # step (which never trained) saved it on: both now save the same bytes.
+    trained.config.use_cache = True
     model_dir = output_dir / "model"
     tmp = output_dir / ".model.partial"
     shutil.rmtree(tmp, ignore_errors=True)

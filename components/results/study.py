@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from components.config import ParamsError
@@ -278,6 +279,35 @@ def sign_test(a_only: int, b_only: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
 
 
+def detectable_difference(games: int, discordant_share: float, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The smallest true difference in success rate between two policies playing the same `games` that a two-sided
+    paired test at level 1 - confidence detects with probability `power` (McNemar's normal approximation):
+    z * sqrt(discordant_share / games), z = z[1 - alpha/2] + z[power], where `discordant_share` is the share of games
+    exactly one of the two wins. A difference needs at least that many split games itself (the share is at least
+    the difference), which floors it at z^2 / games. Games are (seed, game) pairs, so seeds pool into the count."""
+    if not games:
+        return 1.0
+    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(power)
+    return max(z * math.sqrt(discordant_share / games), z * z / games)
+
+
+def _power_columns(a: dict[str, Any], b: dict[str, Any], pairs: tuple[int, int, int] | None,
+                   confidence: float) -> list[str]:
+    """The observed difference A - B in success rate, and the smallest one this comparison could detect (80%
+    power). Paired: at the observed share of split games. Unpaired: each row's games, at the pooled rate's
+    variance."""
+    observed = f"{a['success_rate'] - b['success_rate']:+.0%}"
+    if pairs is not None:
+        shared, a_only, b_only = pairs
+        detectable = detectable_difference(shared, (a_only + b_only) / shared, confidence)
+    else:
+        n = min(a["episodes"], b["episodes"])
+        pooled = (a["successes"] + b["successes"]) / max(a["episodes"] + b["episodes"], 1)
+        z = NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(0.8)
+        detectable = z * math.sqrt(2 * pooled * (1 - pooled) / n) if n else 1.0
+    return [observed, f"{min(detectable, 1.0):.0%}"]
+
+
 # The paper's claims as comparisons of two table rows: (claim, method A, method B, kind). "better": A beats B;
 # "not worse": A does at least as well as B; "better with generated tasks": "better", testable only if A's curriculum
 # accepted a generated task (else A played the ablation's schedule, episode for episode). {A} is the algorithm; the
@@ -319,17 +349,17 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
                 pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
                 rows.append([claim.format(share=_share(ra, rb)), environment,
                              f"{a}: {ra['successes']}/{ra['episodes']}", f"{b}: {rb['successes']}/{rb['episodes']}",
-                             _verdict(ra, rb, kind, pairs, confidence)])
+                             *_power_columns(ra, rb, pairs, confidence), _verdict(ra, rb, kind, pairs, confidence)])
             if kind == "better with generated tasks":  # the answer is known without the ablation's run
                 for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
                     ra = metrics[a][environment]
                     if not ra.get("generated_tasks_mean"):
                         rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}", f"{b}: not run",
-                                     "not tested: the curriculum accepted no generated task, so B would play A's "
-                                     "tasks"])
+                                     "", "", "not tested: the curriculum accepted no generated task, so B would "
+                                     "play A's tasks"])
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
-    return markdown_table(["claim", "environment", "A", "B", "verdict"], rows)
+    return markdown_table(["claim", "environment", "A", "B", "A - B", "detectable (80% power)", "verdict"], rows)
 
 
 def _share(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -479,7 +509,10 @@ CLAIMS_NOTE = ("Both methods of a claim play the same held-out games, greedily. 
                "of them won, at p < {alpha:.3g} per claim (not corrected for the number of claims); otherwise their "
                "Wilson intervals must be apart. \"Not resolved\" and, for a claim of matching, \"not "
                "contradicted\" mean no significant difference at this number of games, not that the two are "
-               "equal.")
+               "equal. \"Detectable\" is the smallest true difference in success rate this comparison finds with "
+               "80% power at that level (McNemar's normal approximation over the games both played, seeds pooled, "
+               "with their observed share of split games; unpaired, the pooled rate's variance): a difference "
+               "smaller than it would usually read \"not resolved\" here.")
 
 
 def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from components.data.contract import Task, Trajectory
 from components.envs.base import Environment, Observation, Policy
-from components.llm.backends import HFGenerationBackend, Message
+from components.llm.backends import ConversationBackend, HFGenerationBackend, Message
 from components.simulator.experience_model import clip
 
 if TYPE_CHECKING:
@@ -145,10 +145,10 @@ def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_action_token
 
 def policy_factory(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: PolicyFormat,
                    max_action_tokens: int):
-    """`make_policy(env)` for `evaluation.evaluate_policy`: greedy actions from one shared model."""
-    backend = HFGenerationBackend(model, tokenizer, batch_size=1)
-
+    """`make_policy(env)` for `evaluation.evaluate_policy`: greedy actions from one shared model, each episode's
+    conversation encoded once and extended turn by turn (`ConversationBackend`: the same actions as re-encoding it
+    whole every turn, at a fraction of the cost)."""
     def make(env: Environment) -> Policy:
-        return llm_policy(backend, fmt, max_action_tokens)
+        return llm_policy(ConversationBackend(model, tokenizer), fmt, max_action_tokens)
 
     return make

@@ -28,6 +28,7 @@ from components.envs.base import (
     StepResult,
     failed_reset,
 )
+from components.llm.backends import sampling_settings
 from components.rl.policy import SYSTEM, PolicyFormat, parse_action, state_message
 from components.simulator.synthetic import SyntheticEnvironment, record_trajectory
 
@@ -210,12 +211,10 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     width = max(len(c) for c in contexts)
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 \
-        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
                                 max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                                output_scores=True, return_dict_in_generate=True, **sampling)
+                                output_scores=True, return_dict_in_generate=True, **sampling_settings(temperature))
     new = output.sequences[:, width:].tolist()
     scores = torch.stack(output.scores, dim=1).float()  # (batch, new tokens, vocab), already temperature-scaled
     logprobs = torch.log_softmax(scores, dim=-1)
