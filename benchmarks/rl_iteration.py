@@ -71,7 +71,7 @@ def run_ours(args: argparse.Namespace, params: Params, tasks: list[Task], settin
     from components.rl.curriculum import Curriculum, CurriculumSettings
     from components.rl.grpo import train_grpo
 
-    fmt, inference = builders.prompt_format(params), params.experience_model.inference
+    fmt = builders.prompt_format(params)
     buffer = load_replay_buffer(args.buffer, SentenceEncoder(args.embedder, args.cache_dir, 64))
     model, tokenizer, name = load_model(args.experience_model, args.cache_dir)
     backend = HFGenerationBackend(model, tokenizer, batch_size=settings.episodes_per_iteration)
@@ -84,10 +84,9 @@ def run_ours(args: argparse.Namespace, params: Params, tasks: list[Task], settin
             return super().start(batch_tasks)
 
     def make_batch() -> SyntheticBatch:
-        return RecordingBatch(SyntheticEnvironment(
-            ENVIRONMENT, backend, buffer, fmt, retries=args.experience_retries, stats=stats,
-            max_new_tokens=args.experience_max_new_tokens, temperature=inference.temperature,
-            retry_temperature=inference.retry_temperature, reward_range=builders.reward_range(params)))
+        settings = dataclasses.replace(builders.inference_settings(params), retries=args.experience_retries,
+                                       max_new_tokens=args.experience_max_new_tokens)
+        return RecordingBatch(SyntheticEnvironment(ENVIRONMENT, backend, buffer, fmt, settings, stats=stats))
 
     print(f"experience model: {name}; buffer {args.buffer} ({len(buffer)} transitions)", flush=True)
     started = time.perf_counter()

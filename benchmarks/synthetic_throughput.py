@@ -27,6 +27,7 @@ building, parsing, bookkeeping); parse ms (parse_prediction over the replies, ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -35,9 +36,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.common import load_model, print_machine, table  # noqa: E402
+from components import builders  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.data.contract import Trajectory, read_trajectories  # noqa: E402
-from components.llm.backends import HFGenerationBackend
+from components.llm.backends import HFGenerationBackend  # noqa: E402
 from components.simulator.experience_model import PredictionStats, PromptFormat  # noqa: E402
 from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer  # noqa: E402
 from components.simulator.synthetic import SyntheticEnvironment, SyntheticEpisode  # noqa: E402
@@ -176,10 +178,9 @@ def main() -> None:
     def measure(batch_size: int, repeats: int) -> tuple[dict[str, Any], tuple[float, int]]:
         """The fastest of `repeats` (step_batch, raw replay) pairs on `batch_size` seed states."""
         backend = HFGenerationBackend(model, tokenizer, batch_size=batch_size)
-        env = SyntheticEnvironment(ENVIRONMENT, backend, buffer, fmt, retries=args.retries, stats=PredictionStats(),
-                                   max_new_tokens=args.max_new_tokens, temperature=0.0,  # greedy, as printed
-                                   retry_temperature=params.experience_model.inference.retry_temperature,
-                                   reward_range=tuple(params.data.reward_range))
+        settings = dataclasses.replace(builders.inference_settings(params), retries=args.retries,
+                                       max_new_tokens=args.max_new_tokens, temperature=0.0)  # greedy, as printed
+        env = SyntheticEnvironment(ENVIRONMENT, backend, buffer, fmt, settings, stats=PredictionStats())
         probe = Probe(model, backend, buffer)
         steps = seed_steps(trajectories, batch_size)
         best: dict[str, Any] | None = None

@@ -107,11 +107,18 @@ def experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) ->
     inference settings in params; `stats` (an `experience_model.PredictionStats`) counts its requests and fallbacks."""
     from components.simulator import fidelity
 
+    return fidelity.model_predictor(experience_backend(params, root), prompt_format(params),
+                                    inference_settings(params), buffer, stats=stats)
+
+
+def inference_settings(params: Params):
+    """How the experience model is asked: params experience_model.inference and the contract's reward range."""
+    from components.simulator.experience_model import InferenceSettings
+
     inference = params.experience_model.inference
-    return fidelity.model_predictor(
-        experience_backend(params, root), prompt_format(params), buffer,
-        retries=inference.retries, max_new_tokens=inference.max_new_tokens, temperature=inference.temperature,
-        retry_temperature=inference.retry_temperature, stats=stats, reward_range=reward_range(params))
+    return InferenceSettings(retries=inference.retries, max_new_tokens=inference.max_new_tokens,
+                             temperature=inference.temperature, retry_temperature=inference.retry_temperature,
+                             reward_range=reward_range(params))
 
 
 def success_rewards(params: Params, root: Path) -> dict[str, float]:
@@ -144,14 +151,11 @@ def synthetic_environments(params: Params, root: Path, buffer: Any, names: list[
     from components.simulator import experience_model as em
     from components.simulator.synthetic import SyntheticEnvironment
 
-    fmt, inference = prompt_format(params), params.experience_model.inference
+    fmt, settings = prompt_format(params), inference_settings(params)
     backend = experience_backend(params, root)
     stats = em.PredictionStats()
     wins = success_rewards(params, root)
-    envs = [SyntheticEnvironment(name, backend, buffer, fmt, retries=inference.retries,
-                                 max_new_tokens=inference.max_new_tokens, temperature=inference.temperature,
-                                 retry_temperature=inference.retry_temperature, reward_range=reward_range(params),
-                                 stats=stats, success_reward=wins.get(name))
+    envs = [SyntheticEnvironment(name, backend, buffer, fmt, settings, stats=stats, success_reward=wins.get(name))
             for name in names]
     return envs, stats
 

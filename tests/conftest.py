@@ -34,53 +34,30 @@ def repo_params():
 
 
 def settings_from_params(kind: str, **overrides: Any) -> Any:
-    """A runtime settings object built from the repository's params.yaml as the builders build it
+    """A runtime settings object built from the repository's params.yaml by the builders the stages use
     (components/builders.py), with `overrides` put in by `dataclasses.replace`. The settings classes have no defaults:
     a test states the values its assertions depend on and takes the rest from params.
 
-    kind: "prompt" (experience_model.prompt: PromptFormat), "policy_prompt" (policy.prompt: PolicyFormat), "rl"
-    (synthetic_rl with policy.max_turns, policy.max_action_tokens and the seed: RLSettings), "ppo" (synthetic_rl.ppo:
-    PPOSettings), "lora" (synthetic_rl.lora: LoraSettings), "curriculum" (synthetic_rl.curriculum:
-    CurriculumSettings), "training" (experience_model.training with the seed: TrainingSettings), "inference" (a dict,
-    the keywords `experience_model.predict` and `SyntheticEnvironment` take from experience_model.inference and
-    data.reward_range).
+    kind: "prompt" (PromptFormat), "policy_prompt" (PolicyFormat), "rl" (RLSettings), "ppo" (its PPOSettings),
+    "lora" (its LoraSettings), "curriculum" (CurriculumSettings), "training" (the experience model's
+    TrainingSettings), "inference" (the experience model's InferenceSettings).
     """
-    from components.llm.sft import LoraSettings, TrainingSettings
-    from components.rl.curriculum import CurriculumSettings
-    from components.rl.loop import PPOSettings, RLSettings
-    from components.rl.policy import PolicyFormat
-    from components.simulator.experience_model import PromptFormat
+    from components import builders
 
     params = repo_params()
-    rl, training, inference = params.synthetic_rl, params.experience_model.training, params.experience_model.inference
-
-    def lora(section):
-        return LoraSettings(**section.model_dump()) if section is not None else None
-
     build = {
-        "prompt": lambda: PromptFormat(**params.experience_model.prompt.model_dump()),
-        "policy_prompt": lambda: PolicyFormat(**params.policy.prompt.model_dump()),
-        "rl": lambda: RLSettings(**rl.model_dump(exclude={"out_dir", "lora", "ppo", "curriculum"}), lora=lora(rl.lora),
-                                 ppo=PPOSettings(**rl.ppo.model_dump()), max_turns=params.policy.max_turns,
-                                 max_action_tokens=params.policy.max_action_tokens, seed=params.seed),
-        "ppo": lambda: PPOSettings(**rl.ppo.model_dump()),
-        "lora": lambda: lora(rl.lora),
-        "curriculum": lambda: CurriculumSettings(**rl.curriculum.model_dump()),
-        "training": lambda: TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora(training.lora),
-                                             seed=params.seed),
-        "inference": lambda: {"retries": inference.retries, "max_new_tokens": inference.max_new_tokens,
-                              "temperature": inference.temperature, "retry_temperature": inference.retry_temperature,
-                              "reward_range": tuple(params.data.reward_range)},
+        "prompt": lambda: builders.prompt_format(params),
+        "policy_prompt": lambda: builders.policy_format(params),
+        "rl": lambda: builders.rl_settings(params),
+        "ppo": lambda: builders.rl_settings(params).ppo,
+        "lora": lambda: builders.rl_settings(params).lora,
+        "curriculum": lambda: builders.curriculum_settings(params),
+        "training": lambda: builders.training_settings(params.experience_model.training, params.seed),
+        "inference": lambda: builders.inference_settings(params),
     }
     if kind not in build:
         raise ValueError(f"unknown settings kind {kind!r}: one of {', '.join(build)}")
-    built = build[kind]()
-    if isinstance(built, dict):
-        unknown = set(overrides) - set(built)
-        if unknown:
-            raise TypeError(f"{kind} has no {', '.join(sorted(unknown))}")
-        return {**built, **overrides}
-    return dataclasses.replace(built, **overrides)
+    return dataclasses.replace(build[kind](), **overrides)
 
 
 def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:

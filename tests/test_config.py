@@ -167,7 +167,7 @@ def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
     from components.rl.curriculum import CurriculumSettings
     from components.rl.loop import PPOSettings, RLSettings
     from components.rl.policy import PolicyFormat
-    from components.simulator.experience_model import PromptFormat, predict
+    from components.simulator.experience_model import InferenceSettings, PromptFormat, predict
     from components.simulator.synthetic import SyntheticEnvironment
 
     mirrors = [  # settings class, its params section, fields the builders set from elsewhere in params
@@ -187,9 +187,10 @@ def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
         keys = set(section.model_fields) - ({"out_dir", "curriculum"} if settings is RLSettings else set())
         assert {f.name for f in fields} == keys | elsewhere, settings.__name__
 
-    # the experience model's inference knobs, as predict and the synthetic environment take them
-    knobs = {"retries", "max_new_tokens", "temperature", "retry_temperature"}
-    assert knobs <= set(config.InferenceParams.model_fields)
+    # the experience model's inference knobs: one settings object, which predict and the synthetic environment take
+    inference = {f.name for f in dataclasses.fields(InferenceSettings)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert inference == {f.name for f in dataclasses.fields(InferenceSettings)}, "InferenceSettings has defaults"
+    assert inference - {"reward_range"} <= set(config.InferenceParams.model_fields)  # reward_range: data.*
     for function in (predict, SyntheticEnvironment.__init__):
-        parameters = inspect.signature(function).parameters
-        assert all(parameters[name].default is inspect.Parameter.empty for name in knobs | {"reward_range"})
+        assert inspect.signature(function).parameters["settings"].default is inspect.Parameter.empty

@@ -58,8 +58,9 @@ def fmt(**overrides):
     return settings_from_params("prompt", **overrides)
 
 
-def inference(**overrides) -> dict:
-    """predict's keywords from params.yaml (experience_model.inference, data.reward_range), with `overrides`."""
+def inference(**overrides):
+    """predict's InferenceSettings from params.yaml (experience_model.inference, data.reward_range), with
+    `overrides`."""
     return settings_from_params("inference", **overrides)
 
 
@@ -260,7 +261,7 @@ def test_predict_retries_unparsable_output_with_sampling():
     backend = ScriptedBackend("garbage", valid)
     stats = PredictionStats()
     [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), stats=stats,
-                           **inference(retries=1, temperature=0.0, retry_temperature=0.7))
+                           settings=inference(retries=1, temperature=0.0, retry_temperature=0.7))
 
     assert (prediction.next_state, prediction.attempts, prediction.fallback) == (OPEN, 2, False)
     assert backend.calls == [(1, 0.0), (1, 0.7)]  # greedy first, sampled retry
@@ -271,8 +272,8 @@ def test_predict_falls_back_and_counts_without_raising():
     queries = [ExperienceQuery(TASK, KITCHEN, "open fridge"), ExperienceQuery(TASK, OPEN, "take potato")]
     stats = PredictionStats()
     predictions = predict(ScriptedBackend(BackendError("down"), "garbage"), queries, fmt(), stats=stats,
-                          **inference(retries=1))
-    predictions += predict(ScriptedBackend(), queries[:1], fmt(), stats=stats, **inference(retries=0))
+                          settings=inference(retries=1))
+    predictions += predict(ScriptedBackend(), queries[:1], fmt(), stats=stats, settings=inference(retries=0))
 
     assert [p.fallback for p in predictions] == [True, True, True]
     assert predictions[1].next_state == f"{OPEN}\n{FALLBACK_NOTE}"
@@ -287,12 +288,12 @@ def test_a_reward_outside_the_range_is_unparsable_and_counted():
     out_of_range = format_target(OPEN, 5.0, True, "The fridge explodes.")
     stats = PredictionStats()
     [prediction] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")],
-                           fmt(), stats=stats, **inference(retries=0, reward_range=(-1.0, 1.0)))
+                           fmt(), stats=stats, settings=inference(retries=0, reward_range=(-1.0, 1.0)))
     assert prediction.fallback and (prediction.reward, prediction.done) == (0.0, False)
     assert (stats.fallbacks, stats.reward_out_of_range) == (1, 1)
     # without a range (None) the same reply is taken as it is (the stages always pass data.reward_range)
     [taken] = predict(ScriptedBackend(out_of_range), [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(),
-                      **inference(retries=0, reward_range=None))
+                      settings=inference(retries=0, reward_range=None))
     assert (taken.reward, taken.fallback) == (5.0, False)
 
 
@@ -300,7 +301,7 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
     budget = FallbackBudget(max_fallback_rate=0.5, max_backend_error_rate=0.0)
     stats = PredictionStats()
     queries = [ExperienceQuery(TASK, KITCHEN, "open fridge")] * 4
-    predict(ScriptedBackend("<next_state>\nYou open"), queries, fmt(), stats=stats, **inference(retries=0))
+    predict(ScriptedBackend("<next_state>\nYou open"), queries, fmt(), stats=stats, settings=inference(retries=0))
     with pytest.raises(ExperienceModelFailure) as failure:
         budget.check(stats, "synthetic_rl", max_new_tokens=64)
     message = str(failure.value)
@@ -312,12 +313,12 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
 
     # half of them parse: at the budget, not over it
     valid = format_target(OPEN, 0.0, False, "The fridge opens.")
-    predict(ScriptedBackend(valid), queries, fmt(), stats=stats, **inference(retries=0))
+    predict(ScriptedBackend(valid), queries, fmt(), stats=stats, settings=inference(retries=0))
     budget.check(stats, "synthetic_rl")
 
     # a backend that raises is its own budget, with its own advice
     predict(ScriptedBackend(BackendError("HTTP 404: no such model"), valid), queries[:1], fmt(), stats=stats,
-            **inference(retries=1))
+            settings=inference(retries=1))
     with pytest.raises(ExperienceModelFailure, match=r"backend failed on 1 of 4 calls .*HTTP 404.*base_url"):
         budget.check(stats, "evaluate_experience_model")
 
@@ -453,7 +454,7 @@ def test_replies_stop_at_the_stop_string_on_every_backend(tiny: Path):
     server = _ChatServer(format_target(OPEN, 0.0, False, "The fridge opens.").removesuffix(REPLY_END))
     try:
         backend = OpenAICompatibleBackend(server.url, "exp-model", backoff_s=0.01, concurrency=1, stop=[REPLY_END])
-        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), **inference())
+        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), settings=inference())
     finally:
         server.close()
     assert (prediction.next_state, prediction.fallback) == (OPEN, False)
@@ -464,7 +465,7 @@ def test_openai_compatible_backend_over_real_http():
     server = _ChatServer(format_target(OPEN, 0.0, False, "The fridge opens."))
     try:
         backend = OpenAICompatibleBackend(server.url, "exp-model", api_key="sk-test", backoff_s=0.01, concurrency=1)
-        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), **inference())
+        [prediction] = predict(backend, [ExperienceQuery(TASK, KITCHEN, "open fridge")], fmt(), settings=inference())
         [text] = backend.generate(["plain prompt"], max_new_tokens=7, temperature=0.0)
     finally:
         server.close()

@@ -62,9 +62,10 @@ def _replies(model_dir_or_name, queries, cache_dir) -> PredictionStats:
     model, tokenizer = (load_trained_model(model_dir_or_name) if cache_dir is None else
                         load_causal_lm(model_dir_or_name, cache_dir=cache_dir))
     stats = PredictionStats()
+    settings = settings_from_params("inference", retries=0, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
+                                    reward_range=(-1.0, 1.0))
     predict(HFGenerationBackend(model, tokenizer, batch_size=len(queries), stop=(REPLY_END,)), queries, FORMAT,
-            stats=stats, **settings_from_params("inference", retries=0, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
-                                                reward_range=(-1.0, 1.0)))
+            settings, stats=stats)
     return stats
 
 

@@ -40,7 +40,7 @@ def policy_dir(tmp_path_factory):
 def _batch():
     return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(), None,
                                                settings_from_params("prompt", use_retrieval=False),
-                                               **settings_from_params("inference", retries=0)))
+                                               settings=settings_from_params("inference", retries=0)))
 
 
 def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_path):

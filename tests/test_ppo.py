@@ -136,7 +136,7 @@ def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS):
     def make_batch():
         return SyntheticBatch(SyntheticEnvironment(ENV, backend, None,
                                                    settings_from_params("prompt", use_retrieval=False),
-                                                   **settings_from_params("inference", retries=0)))
+                                                   settings=settings_from_params("inference", retries=0)))
 
     return train_ppo(str(policy_dir), Curriculum(TASKS, settings_from_params("curriculum", enabled=False)), make_batch,
                      buffer, settings_from_params("policy_prompt"), settings, out_dir, cache_dir=cache_dir), buffer

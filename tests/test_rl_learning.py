@@ -42,7 +42,7 @@ POLICY_FORMAT = settings_from_params("policy_prompt")
 def _batch():
     return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(), None,
                                                settings_from_params("prompt", use_retrieval=False),
-                                               **settings_from_params("inference", retries=0)))
+                                               settings=settings_from_params("inference", retries=0)))
 
 
 def _prompt(segments: ChatSegments, task: Task) -> list[int]:

@@ -32,7 +32,7 @@ POLICY_FORMAT = settings_from_params("policy_prompt")
 def _synthetic(backend) -> SyntheticEnvironment:
     """The experience model played by a scripted `backend`, no retrieval, no retries."""
     return SyntheticEnvironment(ENV, backend, None, settings_from_params("prompt", use_retrieval=False),
-                                **settings_from_params("inference", retries=0))
+                                settings=settings_from_params("inference", retries=0))
 
 
 @pytest.fixture(scope="module")

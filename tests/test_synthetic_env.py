@@ -24,12 +24,12 @@ KITCHEN = "You are in a kitchen. You see a closed fridge."
 TASK = Task("tw-1", ENV, "Cook a meal, then eat it.", {"initial_state": KITCHEN})
 
 
-def make_env(backend, buffer=None, prompt=None, **settings) -> SyntheticEnvironment:
-    """params' experience model settings with two steps of history and no retries; `prompt` overrides prompt
-    fields, `settings` SyntheticEnvironment's keywords."""
+def make_env(backend, buffer=None, prompt=None, inference=None, **keywords) -> SyntheticEnvironment:
+    """params' experience model settings with two steps of history and no retries; `prompt` and `inference`
+    override fields of those settings, `keywords` are SyntheticEnvironment's own."""
     fmt = settings_from_params("prompt", **{"history_length": 2, **(prompt or {})})
-    return SyntheticEnvironment(ENV, backend, buffer, fmt, **{**settings_from_params("inference", retries=0),
-                                                              **settings})
+    settings = settings_from_params("inference", **{"retries": 0, **(inference or {})})
+    return SyntheticEnvironment(ENV, backend, buffer, fmt, settings, **keywords)
 
 
 def test_reset_step_done_success_and_info():
@@ -113,7 +113,7 @@ def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
 
 def test_garbage_output_falls_back_and_is_counted():
     stats = PredictionStats()
-    env = make_env(ScriptedBackend(garbage=True), stats=stats, retries=1)
+    env = make_env(ScriptedBackend(garbage=True), stats=stats, inference={"retries": 1})
     env.reset(TASK)
     result = env.step("open fridge")
     assert result.info["fallback"] is True and not result.done and result.reward == 0.0
@@ -155,7 +155,7 @@ def test_run_episode_works_unchanged():
 def test_real_tiny_model_end_to_end():
     model, tokenizer = build_tiny_causal_lm([KITCHEN, format_target("after open fridge", 0.0, False, "why")])
     stats = PredictionStats()
-    env = make_env(HFGenerationBackend(model, tokenizer), stats=stats, max_new_tokens=8)
+    env = make_env(HFGenerationBackend(model, tokenizer), stats=stats, inference={"max_new_tokens": 8})
     env.reset(TASK)
     episodes = [env.episode, env.new_episode(TASK)]
     results = env.step_batch(episodes, ["open fridge", "look"])

@@ -72,6 +72,17 @@ class PromptFormat:
     example_state_chars: int  # each retrieved example's state and next state
 
 
+@dataclass(frozen=True)
+class InferenceSettings:
+    """How the experience model is asked (params experience_model.inference, and data.reward_range)."""
+
+    retries: int  # re-generations of an unparsable reply before a fallback
+    max_new_tokens: int
+    temperature: float  # the first attempt's (0: greedy)
+    retry_temperature: float  # a retry samples at least this hot (a greedy retry repeats the reply)
+    reward_range: tuple[float, float] | None  # a reward outside it is unparsable (None: any finite reward)
+
+
 # ---- prompt and target ----------------------------------------------------------------------------------------
 
 
@@ -363,36 +374,33 @@ def predict(
     backend: GenerationBackend,
     queries: Sequence[ExperienceQuery],
     fmt: PromptFormat,
+    settings: InferenceSettings,
     *,
-    retries: int,
-    max_new_tokens: int,
-    temperature: float,
-    retry_temperature: float,
-    reward_range: tuple[float, float] | None,
     stats: PredictionStats | None = None,
 ) -> list[Prediction]:
     """One prediction per query, in order; never raises on bad output or a failing backend.
 
-    The first attempt uses `temperature` (0: greedy); the unparsable replies (a reward outside `reward_range` is
-    one: the environment cannot give it) are generated again, up to `retries` times, sampling at
-    `retry_temperature` at least (a greedy retry would repeat the same reply); what still fails gets
-    `fallback_prediction`.
+    The first attempt uses `settings.temperature` (0: greedy); the unparsable replies (a reward outside
+    `settings.reward_range` is one: the environment cannot give it) are generated again, up to `settings.retries`
+    times, sampling at `settings.retry_temperature` at least (a greedy retry would repeat the same reply); what
+    still fails gets `fallback_prediction`.
     """
     stats = stats if stats is not None else PredictionStats()
     stats.requests += len(queries)
     prompts = [build_messages(q, fmt) for q in queries]
     results: list[Prediction | None] = [None] * len(queries)
     pending = list(range(len(queries)))
-    for attempt in range(retries + 1):
+    for attempt in range(settings.retries + 1):
         if not pending:
             break
         stats.generations += len(pending)
         if attempt:
             stats.retries += len(pending)
-        heat = temperature if attempt == 0 else max(temperature, retry_temperature)
+        heat = settings.temperature if attempt == 0 else max(settings.temperature, settings.retry_temperature)
         stats.backend_calls += 1
         try:
-            replies = backend.generate([prompts[i] for i in pending], max_new_tokens=max_new_tokens, temperature=heat)
+            replies = backend.generate([prompts[i] for i in pending], max_new_tokens=settings.max_new_tokens,
+                                       temperature=heat)
             if len(replies) != len(pending):
                 raise BackendError(f"{len(replies)} replies for {len(pending)} prompts")
         except Exception as error:  # noqa: BLE001  (a rollout must survive a backend hiccup; the budget counts it)
@@ -403,8 +411,8 @@ def predict(
         still = []
         for i, reply in zip(pending, replies, strict=True):
             parsed = parse_prediction(reply)
-            if parsed is not None and reward_range is not None and not (
-                    reward_range[0] <= parsed.reward <= reward_range[1]):
+            if parsed is not None and settings.reward_range is not None and not (
+                    settings.reward_range[0] <= parsed.reward <= settings.reward_range[1]):
                 stats.reward_out_of_range += 1
                 parsed = None
             if parsed is None:
@@ -415,8 +423,8 @@ def predict(
         pending = still
     for i in pending:
         stats.fallbacks += 1
-        results[i] = fallback_prediction(queries[i], attempts=retries + 1)
+        results[i] = fallback_prediction(queries[i], attempts=settings.retries + 1)
     if pending:
         log.info("experience model: %d of %d replies unparsable after %d attempts, fell back",
-                 len(pending), len(queries), retries + 1)
+                 len(pending), len(queries), settings.retries + 1)
     return [r for r in results if r is not None]

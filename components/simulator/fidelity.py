@@ -50,7 +50,7 @@ from components.data.contract import (
 
 if TYPE_CHECKING:
     from components.llm.backends import GenerationBackend
-    from components.simulator.experience_model import PromptFormat
+    from components.simulator.experience_model import InferenceSettings, PredictionStats, PromptFormat
     from components.simulator.replay_buffer import Encoder, ReplayBuffer
 
 OVERALL = "overall"
@@ -239,8 +239,8 @@ def _vote(values: list[Any]) -> Any:
     return Counter(values).most_common(1)[0][0]
 
 
-def model_predictor(backend: GenerationBackend, fmt: PromptFormat, buffer: ReplayBuffer | None = None,
-                    **predict_kwargs: Any) -> Predictor:
+def model_predictor(backend: GenerationBackend, fmt: PromptFormat, settings: InferenceSettings,
+                    buffer: ReplayBuffer | None = None, stats: PredictionStats | None = None) -> Predictor:
     """The trained experience model as a predictor, with the same signature as the baselines.
 
     Each transition becomes an `ExperienceQuery` with its last `fmt.history_length` (state, action) pairs and, when
@@ -259,7 +259,7 @@ def model_predictor(backend: GenerationBackend, fmt: PromptFormat, buffer: Repla
         queries = [ExperienceQuery(t.task, t.state, t.action,
                                    t.history[-fmt.history_length:] if fmt.history_length > 0 else (), tuple(found))
                    for t, found in zip(transitions_, examples, strict=True)]
-        return list(predict(backend, queries, fmt, **predict_kwargs))
+        return list(predict(backend, queries, fmt, settings, stats=stats))
 
     return run
 

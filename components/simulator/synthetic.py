@@ -22,7 +22,13 @@ from dataclasses import dataclass, field, replace
 from components.data.contract import Step, Task, Trajectory, is_success, transitions
 from components.envs.base import Environment, Observation, StepResult
 from components.llm.backends import GenerationBackend
-from components.simulator.experience_model import ExperienceQuery, PredictionStats, PromptFormat, predict
+from components.simulator.experience_model import (
+    ExperienceQuery,
+    InferenceSettings,
+    PredictionStats,
+    PromptFormat,
+    predict,
+)
 from components.simulator.replay_buffer import ReplayBuffer, Retrieved
 
 
@@ -50,23 +56,16 @@ class SyntheticEnvironment(Environment):
         backend: GenerationBackend,
         buffer: ReplayBuffer | None,
         fmt: PromptFormat,
+        settings: InferenceSettings,
         *,
-        retries: int,
-        max_new_tokens: int,
-        temperature: float,
-        retry_temperature: float,
-        reward_range: tuple[float, float] | None,
         stats: PredictionStats | None = None,
         success_reward: float | None = None,
         initial_states: Mapping[str, str] | None = None,
     ) -> None:
         """`fmt` (params experience_model.prompt) also sets the history length and the number of retrieved
-        examples; the keywords up to `reward_range` are `experience_model.predict`'s (params
-        experience_model.inference, data.reward_range), with no defaults here."""
+        examples; `settings` how the experience model is asked (`experience_model.predict`'s)."""
         self.name = name  # type: ignore[misc]  # per instance: the real environment this one imitates
-        self.backend, self.buffer, self.fmt = backend, buffer, fmt
-        self.retries, self.max_new_tokens, self.temperature = retries, max_new_tokens, temperature
-        self.retry_temperature, self.reward_range = retry_temperature, reward_range
+        self.backend, self.buffer, self.fmt, self.settings = backend, buffer, fmt, settings
         self.stats = stats if stats is not None else PredictionStats()
         self.success_reward = success_reward  # a final reward that wins (contract.success_rewards); None: any > 0
         self.initial_states = dict(initial_states or {})
@@ -106,10 +105,7 @@ class SyntheticEnvironment(Environment):
         examples = self._retrieve(episodes, actions)
         queries = [ExperienceQuery(ep.task, ep.state, action, ep.history(self.fmt.history_length), found)
                    for ep, action, found in zip(episodes, actions, examples, strict=True)]
-        predictions = predict(self.backend, queries, self.fmt, retries=self.retries,
-                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              retry_temperature=self.retry_temperature, reward_range=self.reward_range,
-                              stats=self.stats)
+        predictions = predict(self.backend, queries, self.fmt, self.settings, stats=self.stats)
         results = []
         for episode, action, prediction in zip(episodes, actions, predictions, strict=True):
             info = {"synthetic": True, "fallback": prediction.fallback, "reasoning": prediction.reasoning,
