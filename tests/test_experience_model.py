@@ -513,7 +513,10 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
 
     # Same data and settings: resumes from checkpoint-2 (already at max_steps, so no further step).
     # (Resumed mid-epoch, Trainer.train would take one more: a finished 6-step run once came back with 7.)
+    saved = {path.name: path.read_bytes() for path in result.model_dir.iterdir()}
     again = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
+    # the same model, byte for byte (a trained save had the KV cache off in config.json, a resumed one on)
+    assert {path.name: path.read_bytes() for path in again.model_dir.iterdir()} == saved
     assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-2")
     assert again.global_step == 2 and not (tmp_path / "exp" / "checkpoints" / "checkpoint-3").exists()
     assert (again.train_loss, again.final_loss) == (result.train_loss, result.final_loss)  # the same run's losses

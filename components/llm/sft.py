@@ -200,17 +200,21 @@ def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ou
                 settings: TrainingSettings) -> Path:
     if settings.lora is not None and settings.merge_lora:
         trained = trained.merge_and_unload()
-    # Training turns the KV cache off; a saved model is for inference, and a run that resumed after its last
-    # step (which never trained) saved it on: both now save the same bytes.
-    trained.config.use_cache = True
     model_dir = output_dir / "model"
     tmp = output_dir / ".model.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    trained.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_for_inference(trained, tokenizer, tmp)
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)  # a half-written model never sits at model_dir
     return model_dir
+
+
+def save_for_inference(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """`save_pretrained` of a trained model and its tokenizer, with the KV cache on: training turns it off, and a
+    run that resumed after its last step (so never trained) would save it on, giving other bytes for one model."""
+    model.config.use_cache = True
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def lora_config(model: PreTrainedModel, lora: LoraSettings) -> Any:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
-from components.llm.sft import LoraSettings
+from components.llm.sft import LoraSettings, save_for_inference
 from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.simulator.replay_buffer import ReplayBuffer, WeaviateReplayBuffer, load_replay_buffer
 from components.simulator.synthetic import add_to_buffer
@@ -215,8 +215,7 @@ def save_trained_policy(model: Any, tokenizer: Any, out_dir: Path, log: list[dic
     log beside it: whoever evaluates the model later can say what it was trained on, wherever it was moved."""
     model_dir = out_dir / "model"
     with atomic_directory(model_dir, replace=True) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_for_inference(model, tokenizer, tmp)
         write_iteration_log(tmp, log)
     return model_dir
 
