@@ -44,13 +44,5 @@ def report(params: Params, result: sft.TrainingResult, fmt: em.PromptFormat) -> 
             f"repeated {settings.outcome_repeats} times, look-alikes {settings.lookalike_repeats} times "
             f"({result.too_long} left out as "
             f"longer than {settings.training.max_seq_len} tokens): {result.global_step} optimizer steps, "
-            f"{training_summary(result)}. Reasoning in the target: {fmt.use_reasoning}; retrieved examples in the "
+            f"{result.summary()}. Reasoning in the target: {fmt.use_reasoning}; retrieved examples in the "
             f"prompt: {fmt.use_retrieval} (top {fmt.top_k}). Model: `{result.model_dir}`.\n")
-
-
-def training_summary(result: sft.TrainingResult) -> str:
-    """The run's losses and time."""
-    losses = (f"training loss {result.train_loss:.4f} on average, {result.final_loss:.4f} at the last logged step"
-              if result.train_loss is not None else "no training loss logged")
-    resumed = f" (this run's only: it resumed from `{Path(result.resumed_from).name}`)" if result.resumed_from else ""
-    return f"{losses}, {result.seconds:.0f} s{resumed}"

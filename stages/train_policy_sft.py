@@ -49,17 +49,9 @@ def report(params: Params, result: sft.TrainingResult, demos: list[Trajectory], 
     text = (f"# Policy warm start (SFT)\n\n`{params.models.policy}` fine-tuned on {result.examples} steps of "
             f"{len(demos)} successful {'/'.join(settings.sources)} seed episodes of training tasks "
             f"({result.too_long} steps left out as longer than {settings.training.max_seq_len} tokens): "
-            f"{result.global_step} optimizer steps, {training_summary(result)}.\n\n")
+            f"{result.global_step} optimizer steps, {result.summary()}.\n\n")
     if accuracy:
         text += (f"Teacher-forced next-action accuracy on {len(heldout)} held-out seed episodes: "
                  f"**{accuracy['accuracy']:.3f}** ({accuracy['correct']}/{accuracy['steps']} steps). By step:\n\n"
                  + markdown_table(["step", "accuracy"], [[k, v] for k, v in accuracy["by_step"].items()]))
     return text
-
-
-def training_summary(result: sft.TrainingResult) -> str:
-    """The run's losses and time."""
-    losses = (f"training loss {result.train_loss:.4f} on average, {result.final_loss:.4f} at the last logged step"
-              if result.train_loss is not None else "no training loss logged")
-    resumed = f" (this run's only: it resumed from `{Path(result.resumed_from).name}`)" if result.resumed_from else ""
-    return f"{losses}, {result.seconds:.0f} s{resumed}"

@@ -23,13 +23,18 @@ MODULES = {_module(p): p for package in PACKAGES if (REPO / package).is_dir()
            for p in sorted((REPO / package).rglob("*.py"))}
 
 
+def runtime_imports(node: ast.AST) -> list[ast.ImportFrom]:
+    """The absolute `from ... import` statements under `node`, lazy ones inside functions included, those under
+    `if TYPE_CHECKING:` (which run nothing) left out."""
+    skipped = {id(inner) for branch in ast.walk(node) if isinstance(branch, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(branch.test) for inner in ast.walk(branch)}
+    return [inner for inner in ast.walk(node) if id(inner) not in skipped and isinstance(inner, ast.ImportFrom)
+            and inner.module and not inner.level]
+
+
 def imports(path: Path) -> list[tuple[str, str]]:
     """(module, name) of every runtime `from module import name` in a file."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = {id(inner) for branch in ast.walk(tree) if isinstance(branch, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(branch.test) for inner in ast.walk(branch)}
-    return [(node.module, alias.name) for node in ast.walk(tree)
-            if id(node) not in skipped and isinstance(node, ast.ImportFrom) and node.module and not node.level
+    return [(node.module, alias.name) for node in runtime_imports(ast.parse(path.read_text(encoding="utf-8")))
             for alias in node.names]
 
 

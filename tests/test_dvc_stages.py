@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_architecture import runtime_imports
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("components", "stages")  # the code a stage runs; dreamgym/ (the command) and flows/ call stages
 
@@ -29,11 +31,8 @@ TOOLBOXES = ("components/builders.py",)
 
 
 def _runtime_imports(node: ast.AST) -> list[ast.ImportFrom]:
-    """The project imports under `node`, lazy ones inside functions included, TYPE_CHECKING ones left out."""
-    skipped = {id(inner) for branch in ast.walk(node) if isinstance(branch, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(branch.test) for inner in ast.walk(branch)}
-    return [inner for inner in ast.walk(node) if id(inner) not in skipped and isinstance(inner, ast.ImportFrom)
-            and inner.module and not inner.level and inner.module.split(".")[0] in PACKAGES]
+    """The project imports under `node` that run (`test_architecture.runtime_imports` of stages' code)."""
+    return [inner for inner in runtime_imports(node) if inner.module.split(".")[0] in PACKAGES]
 
 
 def _targets(node: ast.ImportFrom) -> list[tuple[str, str]]:

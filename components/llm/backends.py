@@ -58,12 +58,12 @@ class HFGenerationBackend:
         replies: list[str] = [""] * len(encoded)
         self.model.eval()
         started, batches = time.monotonic(), math.ceil(len(order) / self.batch_size)
+        sampling = sampling_settings(temperature)
+        stopping = {"stop_strings": self.stop, "tokenizer": self.tokenizer} if self.stop else {}
         for start in range(0, len(order), self.batch_size):
             batch = order[start: start + self.batch_size]
             inputs = self.tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding_side="left",
                                         return_tensors="pt").to(self.model.device)
-            sampling = sampling_settings(temperature)
-            stopping = {"stop_strings": self.stop, "tokenizer": self.tokenizer} if self.stop else {}
             with torch.inference_mode():
                 output = self.model.generate(**inputs, max_new_tokens=max_new_tokens,
                                              pad_token_id=self.tokenizer.pad_token_id, **sampling, **stopping)

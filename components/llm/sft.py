@@ -93,6 +93,13 @@ class TrainingResult:
     resumed_from: str | None
     seconds: float  # training time over every invocation of the run, resumed ones included
 
+    def summary(self) -> str:
+        """The run's losses and time, for a report."""
+        losses = (f"training loss {self.train_loss:.4f} on average, {self.final_loss:.4f} at the last logged step"
+                  if self.train_loss is not None else "no training loss logged")
+        resumed = f" (this run's only: it resumed from `{Path(self.resumed_from).name}`)" if self.resumed_from else ""
+        return f"{losses}, {self.seconds:.0f} s{resumed}"
+
 
 SECONDS_FILE = "training_seconds.txt"  # in each checkpoint: the training time up to it, earlier invocations included
 

@@ -287,8 +287,13 @@ def detectable_difference(games: int, discordant_share: float, confidence: float
     the difference), which floors it at z^2 / games. Games are (seed, game) pairs, so seeds pool into the count."""
     if not games:
         return 1.0
-    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(power)
+    z = _power_z(confidence, power)
     return max(z * math.sqrt(discordant_share / games), z * z / games)
+
+
+def _power_z(confidence: float, power: float = 0.8) -> float:
+    """z[1 - alpha/2] + z[power]: the normal deviates a two-sided test at level 1 - confidence needs."""
+    return NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(power)
 
 
 def _power_columns(a: dict[str, Any], b: dict[str, Any], pairs: tuple[int, int, int] | None,
@@ -303,8 +308,7 @@ def _power_columns(a: dict[str, Any], b: dict[str, Any], pairs: tuple[int, int, 
     else:
         n = min(a["episodes"], b["episodes"])
         pooled = (a["successes"] + b["successes"]) / max(a["episodes"] + b["episodes"], 1)
-        z = NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(0.8)
-        detectable = z * math.sqrt(2 * pooled * (1 - pooled) / n) if n else 1.0
+        detectable = _power_z(confidence) * math.sqrt(2 * pooled * (1 - pooled) / n) if n else 1.0
     return [observed, f"{min(detectable, 1.0):.0%}"]
 
 
