@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from components import builders  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.data.contract import read_trajectories  # noqa: E402
 from components.simulator.fidelity import (  # noqa: E402
@@ -45,7 +46,7 @@ def main() -> None:
     held = heldout_transitions(trajectories, params.data.heldout_task_fraction)
     encoder = SentenceEncoder(params.models.embedder, params.models.cache_dir,
                               batch_size=params.buffer.encode_batch_size)
-    buffer = load_replay_buffer(args.buffer or params.buffer.out_dir, encoder)
+    buffer = load_replay_buffer(args.buffer or params.buffer.out_dir, encoder, builders.buffer_index(params))
     held_ids = {t.trajectory_id for t in held}
     print(f"{len(trajectories)} trajectories, {len(held)} held-out transitions from "
           f"{len({t.task.task_id for t in held})} held-out tasks ({len(held_ids)} trajectories); "

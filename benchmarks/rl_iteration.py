@@ -72,7 +72,8 @@ def run_ours(args: argparse.Namespace, params: Params, tasks: list[Task], settin
     from components.rl.grpo import train_grpo
 
     fmt = builders.prompt_format(params)
-    buffer = load_replay_buffer(args.buffer, SentenceEncoder(args.embedder, args.cache_dir, 64))
+    buffer = load_replay_buffer(args.buffer, SentenceEncoder(args.embedder, args.cache_dir, 64),
+                                builders.buffer_index(params))
     model, tokenizer, name = load_model(args.experience_model, args.cache_dir)
     backend = HFGenerationBackend(model, tokenizer, batch_size=settings.episodes_per_iteration)
     stats = PredictionStats()

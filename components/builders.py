@@ -16,13 +16,20 @@ from components.data.contract import TRAJECTORIES, Trajectory, is_heldout_task, 
 from components.llm import backends
 
 
+def buffer_index(params: Params):
+    """buffer.index as the embedded buffer's `IndexSettings`."""
+    from components.simulator.replay_buffer import IndexSettings
+
+    return IndexSettings(**params.buffer.index.model_dump())
+
+
 def saved_buffer(params: Params, root: Path, directory: str | Path | None = None):
     """The buffer index_buffer saved (or one saved in `directory`), with the encoder it was built with (also used to
     score similarity; the model loads on the first encoding only)."""
     from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer
 
     encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
-    return load_replay_buffer(root / (directory or params.buffer.out_dir), encoder)
+    return load_replay_buffer(root / (directory or params.buffer.out_dir), encoder, buffer_index(params))
 
 
 def experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
@@ -98,8 +105,17 @@ def experience_backend(params: Params, root: Path) -> Any:
 
     inference, out_dir = params.experience_model.inference, params.experience_model.out_dir
     model = params.models.experience if inference.backend == "openai" else str(root / out_dir / "model")
-    return backends.make_backend(inference.backend, model, inference.batch_size, inference.base_url,
-                                 stop=(em.REPLY_END,))
+    return generation_backend(params, root, model, stop=(em.REPLY_END,))
+
+
+def generation_backend(params: Params, root: Path, model: str, stop: tuple[str, ...]) -> Any:
+    """`model` (a model directory, or the served name for openai) behind params experience_model.inference's backend."""
+    inference = params.experience_model.inference
+    return backends.make_backend(inference.backend, model, batch_size=inference.batch_size,
+                                 base_url=inference.base_url, weight_type=inference.llamacpp.weight_type,
+                                 threads=inference.llamacpp.threads, context=inference.llamacpp.context,
+                                 cache_dir=root / params.models.cache_dir,
+                                 stop=stop)
 
 
 def experience_predictor(params: Params, root: Path, buffer: Any, stats: Any) -> Any:
@@ -191,12 +207,9 @@ def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any) 
     curriculum = Curriculum(tasks, curriculum_settings(params), clusters=clusters)
     if not settings.enabled or settings.top_tasks == 0:
         return curriculum, None
-    inference = params.experience_model.inference
-    if inference.backend == "openai":
-        return curriculum, backends.make_backend("openai", params.models.experience, inference.batch_size,
-                                                 inference.base_url, stop=(INSTRUCTION_END,))
+    if params.experience_model.inference.backend == "openai":
+        return curriculum, generation_backend(params, root, params.models.experience, stop=(INSTRUCTION_END,))
     from components.llm.models import resolve_model
 
     backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
-    return curriculum, backends.make_backend(inference.backend, str(backbone), inference.batch_size,
-                                             stop=(INSTRUCTION_END,))
+    return curriculum, generation_backend(params, root, str(backbone), stop=(INSTRUCTION_END,))

@@ -125,10 +125,21 @@ class WeaviateParams(Section):
         "each synthetic_rl run copies it to <that>_run_<hash of the run>"))
 
 
+class BufferIndexParams(Section):
+    """Mirrors replay_buffer.IndexSettings: the embedded backend's per-environment faiss index."""
+
+    approximate_above: int | None = Field(ge=1000, description=(
+        "rows of one environment past which its exact flat index becomes a quantized scan with exact re-ranking "
+        "(null: always exact)"))
+    rerank: int = Field(gt=0, description="candidates of the quantized scan re-scored exactly per query")
+    subquantizer_dims: int = Field(gt=0, description="dimensions per 4-bit code of the scan; divides the embedding's")
+
+
 class BufferParams(Section):
     backend: Literal["embedded", "weaviate"]
     encode_batch_size: int = Field(gt=0)
     out_dir: str = Field(description="where index_buffer saves the buffer (the Weaviate backend saves a reference)")
+    index: BufferIndexParams
     weaviate: WeaviateParams
 
 
@@ -187,9 +198,16 @@ class TrainingParams(Section):
     save_total_limit: int = Field(gt=0)
 
 
+class LlamaCppParams(Section):
+    weight_type: Literal["f32", "f16", "q8_0"] = Field(description="the GGUF export's weights (norms stay f32)")
+    threads: int = Field(ge=0, description="CPU threads (0: every core)")
+    context: int = Field(gt=0, description="tokens a prompt and its reply may hold together")
+
+
 class InferenceParams(Section):
-    backend: Literal["hf", "vllm", "openai"]
+    backend: Literal["hf", "llamacpp", "vllm", "openai"]
     base_url: str | None = Field(description="openai only: the served experience model's endpoint")
+    llamacpp: LlamaCppParams
     batch_size: int = Field(gt=0)
     max_new_tokens: int = Field(gt=0)
     temperature: float = Field(ge=0)

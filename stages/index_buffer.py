@@ -8,7 +8,7 @@ from typing import Any
 from components.config import Params
 from components.data.contract import TRAJECTORIES, is_heldout_task, read_trajectories, transitions
 from components.reports import markdown_table, write_stage_outputs
-from components.simulator.replay_buffer import SentenceEncoder, open_replay_buffer, open_seed_buffer
+from components.simulator.replay_buffer import IndexSettings, SentenceEncoder, open_replay_buffer, open_seed_buffer
 
 
 def run(params: Params, root: str | Path = ".", log=print) -> dict[str, Any]:
@@ -21,8 +21,9 @@ def run(params: Params, root: str | Path = ".", log=print) -> dict[str, Any]:
     encoder = SentenceEncoder(params.models.embedder, root / params.models.cache_dir, params.buffer.encode_batch_size)
     if params.buffer.backend == "weaviate":  # a collection named by these transitions, the embedder and the schema
         buffer = open_seed_buffer(encoder, pending, **params.buffer.weaviate.model_dump())
-    else:
-        buffer = open_replay_buffer(params.buffer.backend, encoder)
+    else:  # builders.buffer_index's one line: importing builders would add its modules to this stage's deps
+        index = IndexSettings(**params.buffer.index.model_dump())
+        buffer = open_replay_buffer(params.buffer.backend, encoder, index=index)
     start, chunk = time.monotonic(), 256
     for done in range(0, len(pending), chunk):
         buffer.add(pending[done:done + chunk], source="real")

@@ -40,7 +40,8 @@ def settings_from_params(kind: str, **overrides: Any) -> Any:
 
     kind: "prompt" (PromptFormat), "policy_prompt" (PolicyFormat), "rl" (RLSettings), "ppo" (its PPOSettings),
     "lora" (its LoraSettings), "curriculum" (CurriculumSettings), "training" (the experience model's
-    TrainingSettings), "inference" (the experience model's InferenceSettings).
+    TrainingSettings), "inference" (the experience model's InferenceSettings), "buffer_index" (the embedded replay
+    buffer's IndexSettings).
     """
     from components import builders
 
@@ -54,6 +55,7 @@ def settings_from_params(kind: str, **overrides: Any) -> Any:
         "curriculum": lambda: builders.curriculum_settings(params),
         "training": lambda: builders.training_settings(params.experience_model.training, params.seed),
         "inference": lambda: builders.inference_settings(params),
+        "buffer_index": lambda: builders.buffer_index(params),
     }
     if kind not in build:
         raise ValueError(f"unknown settings kind {kind!r}: one of {', '.join(build)}")

@@ -168,6 +168,7 @@ def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
     from components.rl.loop import PPOSettings, RLSettings
     from components.rl.policy import PolicyFormat
     from components.simulator.experience_model import InferenceSettings, PromptFormat, predict
+    from components.simulator.replay_buffer import IndexSettings
     from components.simulator.synthetic import SyntheticEnvironment
 
     mirrors = [  # settings class, its params section, fields the builders set from elsewhere in params
@@ -178,6 +179,7 @@ def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
         (CurriculumSettings, config.CurriculumParams, set()),
         (PPOSettings, config.PPOParams, set()),
         (RLSettings, config.SyntheticRLParams, {"max_turns", "max_action_tokens", "seed"}),  # policy.*, seed
+        (IndexSettings, config.BufferIndexParams, set()),
     ]
     for settings, section, elsewhere in mirrors:
         fields = dataclasses.fields(settings)

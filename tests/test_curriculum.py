@@ -220,7 +220,8 @@ def test_propose_rejects_bad_replies_by_reason_and_never_raises():
 
 
 def test_propose_with_a_real_tiny_model(tiny_model_dir):
-    backend = make_backend("hf", str(tiny_model_dir))
+    backend = make_backend("hf", str(tiny_model_dir), batch_size=8, base_url=None, weight_type="f32", threads=0,
+                           context=1024, cache_dir=tiny_model_dir)
     curriculum = Curriculum(make_tasks(2), curriculum_settings(top_tasks=2, max_new_tokens=12))
     play(curriculum, {"tw-0": [1, 0], "tw-1": [0, 1]})
     accepted = curriculum.propose(backend, iteration=0)

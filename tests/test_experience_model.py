@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from components.data.contract import Step, Task, Trajectory, transitions
-from components.llm.backends import BackendError, HFGenerationBackend, OpenAICompatibleBackend, VLLMBackend
+from components.llm.backends import (
+    BackendError,
+    HFGenerationBackend,
+    LlamaCppBackend,
+    OpenAICompatibleBackend,
+    VLLMBackend,
+)
+from components.llm.gguf_export import export_gguf, gguf_path
 from components.llm.models import build_tiny_causal_lm
 from components.llm.sft import (
     _lora_targets,
@@ -328,7 +335,7 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
 
 def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     records = annotate([_trajectory("tw-1"), _trajectory("tw-2")])
-    buffer = FaissReplayBuffer(HashingEncoder())
+    buffer = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
     buffer.add([t for tid in ("tw-1", "tw-2", "tw-3") for t in transitions(_trajectory(tid))], source="real")
 
     dataset = sft_examples(records, buffer, fmt(use_reasoning=True, use_retrieval=True, history_length=1, top_k=4),
@@ -405,6 +412,39 @@ def test_hf_teacher_annotates_with_real_generation(tiny: Path):
     records = annotate([_trajectory()], teacher=teacher)
     assert teacher.name == f"hf:{tiny}"
     assert all(r.annotator in (teacher.name, DETERMINISTIC) and r.reasoning for r in records)
+
+
+@pytest.mark.parametrize("weight_type, tolerance", [("f32", 0.0), ("f16", 1e-2), ("q8_0", 5e-2)])
+def test_gguf_export_is_the_same_model_read_back(tiny: Path, tmp_path: Path, weight_type: str, tolerance: float):
+    """transformers reads GGUF (and undoes the rotary permutation): the export must give back the model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = export_gguf(tiny, weight_type, tmp_path)
+    assert exported == gguf_path(tiny, weight_type, tmp_path) and export_gguf(tiny, weight_type, tmp_path) == exported
+    model, tokenizer = load_trained_model(tiny)
+    back = AutoModelForCausalLM.from_pretrained(exported.parent, gguf_file=exported.name, dtype="float32")
+    ids = tokenizer(KITCHEN + " open fridge", return_tensors="pt")["input_ids"]
+    assert AutoTokenizer.from_pretrained(exported.parent, gguf_file=exported.name)(
+        KITCHEN + " open fridge", return_tensors="pt")["input_ids"].tolist() == ids.tolist()
+    with torch.no_grad():
+        gap = (model(ids).logits - back(ids).logits).abs().max().item()
+    assert gap <= tolerance, f"{weight_type}: logits differ by {gap}"
+
+
+def test_llamacpp_backend_replies_like_the_hf_backend(tiny: Path, tmp_path: Path):
+    model, tokenizer = load_trained_model(tiny)
+    prompts = [build_messages(ExperienceQuery(TASK, s, a), fmt()) for s, a in
+               [(KITCHEN, "open fridge"), (OPEN * 3, "take red potato from fridge"), (TAKEN, "eat meal")]]
+    hf = HFGenerationBackend(model, tokenizer, batch_size=1).generate(prompts, max_new_tokens=10)
+    llama = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024)
+    assert llama.generate(prompts, max_new_tokens=10) == hf  # same token ids in, greedy, f32 weights
+    stop = next(text for text in tokenizer.batch_decode(tokenizer(hf[0])["input_ids"][:3]) if text.strip())
+    [stopped] = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, stop=[stop]).generate(prompts[:1], 10)
+    assert stopped.endswith(stop) and hf[0].startswith(stopped) and len(stopped) < len(hf[0])
+    assert len(llama.generate(prompts, max_new_tokens=10, temperature=1.0)) == 3
+    with pytest.raises(BackendError, match="context"):
+        llama.generate(["word " * 3000], max_new_tokens=10)
 
 
 class _ChatServer:

@@ -28,6 +28,7 @@ from components.simulator.fidelity import (
     token_f1,
 )
 from components.simulator.replay_buffer import FaissReplayBuffer
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 
 
@@ -156,7 +157,7 @@ def test_lookalikes_are_unrewarded_steps_of_a_rewarded_command_and_get_a_quarter
 @pytest.fixture
 def buffer():
     """Training transitions of two environments; outcomes distinguishable by their next states."""
-    buf = FaissReplayBuffer(HashingEncoder())
+    buf = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
     kitchen = trajectory("train-kitchen", "t-k", "textworld-cooking", [
         Step("you are in the kitchen there is a fridge", "open fridge", "you open the fridge", 0.0, False),
         Step("the fridge is open it contains a carrot", "take carrot", "you take the carrot", 1.0, False),

@@ -44,7 +44,7 @@ def _batch():
 
 
 def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_path):
-    buffer = FaissReplayBuffer(HashingEncoder())
+    buffer = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
     result = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, buffer,
                         POLICY_FORMAT, SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
 
@@ -66,7 +66,7 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
     assert len((checkpoint / LOG_FILE).read_text().splitlines()) == 2
 
     # the same settings again: nothing left to do, the log and buffer come back from the last checkpoint
-    fresh = FaissReplayBuffer(HashingEncoder())
+    fresh = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
     again = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, fresh,
                        POLICY_FORMAT, SETTINGS, tmp_path / "rl", cache_dir=tmp_path)
     assert again.resumed_from and again.iterations == 2 and again.log == json.loads(json.dumps(result.log))

@@ -115,6 +115,7 @@ def test_seed_data_and_outputs_round_trip_through_s3(onboarded, s3_server):
 
 def test_index_buffer_stage_saves_a_buffer_of_training_tasks(onboarded):
     """index_buffer embeds real training-task transitions (MiniLM, packaged) and saves a loadable buffer."""
+    from components.builders import buffer_index
     from components.config import load_params
     from components.data.contract import is_heldout_task, read_trajectories
     from components.simulator.replay_buffer import SentenceEncoder, load_replay_buffer
@@ -128,7 +129,7 @@ def test_index_buffer_stage_saves_a_buffer_of_training_tasks(onboarded):
 
     params = load_params(onboarded / "params.yaml")
     encoder = SentenceEncoder(params.models.embedder, onboarded / params.models.cache_dir)
-    buffer = load_replay_buffer(onboarded / params.buffer.out_dir, encoder)
+    buffer = load_replay_buffer(onboarded / params.buffer.out_dir, encoder, buffer_index(params))
     step = train[0].steps[1]
     hits = buffer.retrieve(step.state, step.action, environment="demo-kitchen", k=3)
     assert hits[0].state == step.state and hits[0].action == step.action and hits[0].source == "real"

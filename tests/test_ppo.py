@@ -131,7 +131,7 @@ def policy_dir(tmp_path_factory):
 
 def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS):
     backend = backend or ScriptedBackend()
-    buffer = FaissReplayBuffer(HashingEncoder())
+    buffer = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
 
     def make_batch():
         return SyntheticBatch(SyntheticEnvironment(ENV, backend, None,

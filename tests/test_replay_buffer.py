@@ -25,7 +25,9 @@ from components.simulator.replay_buffer import (
     SYNTHETIC_KEYS,
     ContentIndex,
     FaissReplayBuffer,
+    IndexSettings,
     ReplayBuffer,
+    Retrieved,
     SentenceEncoder,
     WeaviateReplayBuffer,
     load_replay_buffer,
@@ -36,8 +38,10 @@ from components.simulator.replay_buffer import (
     seed_collection_name,
     unique_records,
 )
+from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
 
+INDEX = settings_from_params("buffer_index")  # params.yaml's: the small buffers here stay exact
 WEAVIATE_URL = os.environ.get("WEAVIATE_URL")
 NO_WEAVIATE = "WEAVIATE_URL not set: the Weaviate backend needs a running server (none can run here)"
 
@@ -51,7 +55,7 @@ BACKENDS = [
 
 def open_buffer(backend: str, encoder, cleanup: list) -> ReplayBuffer:
     if backend == "embedded":
-        return open_replay_buffer("embedded", encoder)
+        return open_replay_buffer("embedded", encoder, index=INDEX)
     buffer = open_replay_buffer("weaviate", encoder, url=WEAVIATE_URL, collection=f"DreamGymTest{uuid.uuid4().hex}",
                                 grpc_port=int(os.environ.get("WEAVIATE_GRPC_PORT", "50051")))
     cleanup.append(buffer)
@@ -221,7 +225,7 @@ def test_save_and_load_give_identical_retrieval(make_buffer, tmp_path: Path):
     buffer.save(tmp_path / "buffer")
     buffer.save(tmp_path / "buffer")  # saving over an earlier save replaces it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer"]  # no temp or old directories left behind
-    loaded = load_replay_buffer(tmp_path / "buffer", encoder)
+    loaded = load_replay_buffer(tmp_path / "buffer", encoder, INDEX)
     try:
         assert type(loaded) is type(buffer) and len(loaded) == len(buffer)
         after = {env: loaded.retrieve_batch(queries, environment=env, k=5) for env in ("textworld", "miniwob")}
@@ -237,7 +241,7 @@ def test_save_and_load_give_identical_retrieval(make_buffer, tmp_path: Path):
 def test_embedded_save_stores_the_columns_in_order(tmp_path: Path):
     import pyarrow.parquet as pq
 
-    buffer = open_replay_buffer("embedded", HashingEncoder())
+    buffer = open_replay_buffer("embedded", HashingEncoder(), index=INDEX)
     fill(buffer)
     buffer.save(tmp_path / "buffer")
     schema = pq.read_schema(tmp_path / "buffer" / "metadata.parquet")
@@ -247,15 +251,126 @@ def test_embedded_save_stores_the_columns_in_order(tmp_path: Path):
         ("done", "bool"), ("source", "string"), ("origin", "string")]
 
 def test_embedded_load_refuses_another_encoder(tmp_path: Path):
-    buffer = open_replay_buffer("embedded", HashingEncoder())
+    buffer = open_replay_buffer("embedded", HashingEncoder(), index=INDEX)
     fill(buffer)
     buffer.save(tmp_path / "buffer")
     other = HashingEncoder()
     other.name = "another-encoder"
     with pytest.raises(ValueError, match="another-encoder"):
-        FaissReplayBuffer.load(tmp_path / "buffer", other)
+        FaissReplayBuffer.load(tmp_path / "buffer", other, INDEX)
     with pytest.raises(FileNotFoundError, match="not a saved replay buffer"):
-        load_replay_buffer(tmp_path, HashingEncoder())
+        load_replay_buffer(tmp_path, HashingEncoder(), INDEX)
+
+
+# ------------------------------------------------------------------- embedded: the approximate index past a size
+DIM = 64  # small vectors keep these tests fast; the quantizer's code width (2 dimensions) divides it
+APPROXIMATE = IndexSettings(approximate_above=1000, rerank=64, subquantizer_dims=2)  # a 64-of-3000 re-rank
+EXACT = IndexSettings(approximate_above=None, rerank=64, subquantizer_dims=2)
+
+
+def clustered(rng: np.random.Generator, centres: np.ndarray, n: int, noise: float = 0.3) -> np.ndarray:
+    """Unit vectors around random centres, as real embeddings cluster (random ones are no structure at all)."""
+    x = centres[rng.integers(0, len(centres), n)] + rng.standard_normal((n, DIM)) * noise / np.sqrt(DIM)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def vector_records(start: int, stop: int, prefix: str = "traj") -> list[Retrieved]:
+    """Records of 10-step trajectories `<prefix>-<i // 10>`."""
+    return [Retrieved.from_columns("textworld", "task-1", f"{prefix}-{i // 10}", i % 10, f"s{i}", f"a{i}", f"n{i}",
+                                   0.0, i % 10 == 9, "real", "expert") for i in range(start, stop)]
+
+
+def grown(settings: IndexSettings, vectors: np.ndarray, chunk: int = 500) -> FaissReplayBuffer:
+    """A buffer grown by online appends of `chunk` rows, as a buffer grows during RL."""
+    buffer = FaissReplayBuffer(HashingEncoder(), settings)
+    for start in range(0, len(vectors), chunk):
+        stop = min(start + chunk, len(vectors))
+        buffer.add_vectors(vector_records(start, stop), vectors[start:stop])
+    return buffer
+
+
+def approximate_environments(buffer: FaissReplayBuffer, directory: Path) -> dict[str, int]:
+    buffer.save(directory)
+    return json.loads((directory / "buffer.json").read_text()).get("approximate", {})
+
+
+@pytest.fixture(scope="module")
+def structured():
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((300, DIM))
+    return clustered(rng, centres, 3000), clustered(rng, centres, 100)
+
+
+def recall(found: list[list], exact: list[list]) -> float:
+    return float(np.mean([len({key(r) for r in f} & {key(r) for r in e}) / len(e) for f, e in zip(found, exact)]))
+
+
+def test_past_the_threshold_the_index_is_approximate_with_exact_scores_and_high_recall(structured, tmp_path: Path):
+    stored, queries = structured
+    approximate, exact = grown(APPROXIMATE, stored), grown(EXACT, stored)
+    assert approximate_environments(approximate, tmp_path / "a") == {"textworld": 1500}  # crossed at the 3rd add
+    assert approximate_environments(exact, tmp_path / "e") == {}
+    found = approximate.search(queries, environment="textworld", k=4)
+    truth = exact.search(queries, environment="textworld", k=4)
+    assert recall(found, truth) >= 0.95
+    for query, hits in zip(queries, found):  # scores are exact cosines, not the codes' estimates
+        assert [r.score for r in hits] == pytest.approx([float(stored[int(r.trajectory_id[5:]) * 10 + r.step_index]
+                                                              @ query) for r in hits], abs=1e-5)
+    assert all(len(hits) == 4 and [r.score for r in hits] == sorted((r.score for r in hits), reverse=True)
+               for hits in found)
+    records, vectors = approximate.export()  # the stored vectors, not their codes
+    assert np.array_equal(vectors, exact.export()[1]) and len(records) == 3000
+
+
+def test_approximate_search_excludes_a_trajectory_and_still_returns_k(structured):
+    stored, _ = structured
+    approximate, exact = grown(APPROXIMATE, stored), grown(EXACT, stored)
+    queries = stored[::100] + 0.01  # each near a stored row of trajectory traj-(10 * q)
+    excluded = [f"traj-{i * 10}" for i in range(len(queries))]
+    found = approximate.search(queries, environment="textworld", k=5, exclude_trajectories=excluded)
+    truth = exact.search(queries, environment="textworld", k=5, exclude_trajectories=excluded)
+    assert all(len(hits) == 5 and all(r.trajectory_id != x for r in hits) for hits, x in zip(found, excluded))
+    assert recall(found, truth) >= 0.95
+
+
+def test_approximate_buffer_round_trips_and_retrains_as_it_grows(structured, tmp_path: Path):
+    stored, queries = structured
+    buffer = grown(APPROXIMATE, stored)
+    before = buffer.search(queries, environment="textworld", k=4, exclude_trajectories=["traj-3"] * len(queries))
+    buffer.save(tmp_path / "buffer")
+    loaded = load_replay_buffer(tmp_path / "buffer", HashingEncoder(), APPROXIMATE)
+    assert loaded.search(queries, environment="textworld", k=4, exclude_trajectories=["traj-3"] * len(queries)) \
+        == before  # records and scores, exactly
+    more = clustered(np.random.default_rng(1), stored[:300], 3000)  # to 6000 rows: 4x the 1500 it was trained at
+    rows = vector_records(0, 3000, prefix="more")
+    assert loaded.add_vectors(rows, more) == 3000
+    assert approximate_environments(loaded, tmp_path / "grown") == {"textworld": 6000}
+    exact = grown(EXACT, stored)
+    exact.add_vectors(rows, more)
+    assert recall(loaded.search(queries, environment="textworld", k=4),
+                  exact.search(queries, environment="textworld", k=4)) >= 0.95
+
+
+def test_an_old_flat_save_loads_and_small_buffers_stay_exact(structured, tmp_path: Path):
+    stored, queries = structured
+    small = stored[:900]  # below the threshold: the exact index, results as with no threshold at all
+    below, never = grown(APPROXIMATE, small), grown(EXACT, small)
+    assert below.search(queries, environment="textworld", k=6) == never.search(queries, environment="textworld", k=6)
+    # Saved as before approximate indexes existed (flat indexes, the manifest's old keys only), so old saves load.
+    below.save(tmp_path / "old")
+    manifest = json.loads((tmp_path / "old" / "buffer.json").read_text())
+    assert set(manifest) == {"backend", "count", "dimension", "encoder", "format", "indexes"}
+    old = load_replay_buffer(tmp_path / "old", HashingEncoder(), APPROXIMATE)
+    assert old.search(queries, environment="textworld", k=6) == never.search(queries, environment="textworld", k=6)
+    old.add_vectors(vector_records(900, 1500), stored[900:1500])  # past the threshold from its next add on
+    assert approximate_environments(old, tmp_path / "new") == {"textworld": 1500}
+
+
+def test_a_code_width_that_does_not_divide_the_dimension_is_named():
+    buffer = FaissReplayBuffer(HashingEncoder(), IndexSettings(approximate_above=1000, rerank=64,
+                                                               subquantizer_dims=3))
+    with pytest.raises(ValueError, match="subquantizer_dims 3"):
+        buffer.add_vectors(vector_records(0, 1001), np.eye(1001, DIM, dtype=np.float32) + 0.1)
 
 
 def test_unknown_backend_is_a_clear_error():
@@ -390,7 +505,7 @@ def test_weaviate_synthetic_copy_leaves_the_seed_untouched(weaviate_seed, tmp_pa
     assert copy.add(list(transitions(SYNTHETIC)), "synthetic") == 2
     assert (len(copy), copy.count(source="synthetic")) == (9, 2)
     assert (len(seed), seed.content_hash()) == before
-    reloaded = load_replay_buffer(tmp_path / "seed", seed.encoder)  # checks the server against the manifest
+    reloaded = load_replay_buffer(tmp_path / "seed", seed.encoder, INDEX)  # checks the server against the manifest
     reloaded.close()
     # The copy's retrieval sees the seed's transitions with the seed's vectors.
     state, action = KITCHEN.steps[1].state, KITCHEN.steps[1].action
@@ -415,7 +530,7 @@ def test_weaviate_save_records_the_content_hash(weaviate_seed, tmp_path: Path):
     assert (tmp_path / "second" / SYNTHETIC_KEYS).read_text() == '["syn-1", 0]\n["syn-1", 1]\n'
     with pytest.raises(ValueError, match=f"{buffer.collection_name}.*{first['content_hash']}.*"
                                          f"{second['content_hash']}.*index_buffer"):
-        load_replay_buffer(tmp_path / "first", buffer.encoder)
+        load_replay_buffer(tmp_path / "first", buffer.encoder, INDEX)
 
 
 @pytest.mark.external
@@ -451,7 +566,7 @@ def test_weaviate_restore_drops_records_added_after_the_checkpoint(weaviate_seed
     resumed.restore(tmp_path / "checkpoint")
     assert (len(resumed), resumed.content_hash()) == (7, checkpoint_hash)
     assert {key(r) for r in resumed.export(source="synthetic")[0]} == {("syn-1", 0), ("syn-1", 1)}
-    load_replay_buffer(tmp_path / "checkpoint", seed.encoder).close()  # the checkpoint's manifest holds again
+    load_replay_buffer(tmp_path / "checkpoint", seed.encoder, INDEX).close()  # the checkpoint's manifest holds again
     resumed.restore(None)  # a fresh start: the seed's content only
     assert resumed.content_hash() == seed.content_hash() and resumed.count(source="synthetic") == 0
     with pytest.raises(ValueError, match="no longer on the server"):

@@ -95,7 +95,7 @@ def test_history_in_the_prompt_is_bounded():
 
 
 def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
-    buffer = open_replay_buffer("embedded", HashingEncoder())
+    buffer = open_replay_buffer("embedded", HashingEncoder(), index=settings_from_params("buffer_index"))
     seed = Trajectory("seed-1", Task("tw-9", ENV, "Cook."), [
         Step(KITCHEN, "open fridge", "The fridge is open. A red potato.", 0.0, False)], False, 0.0, "expert")
     other = Trajectory("web-1", Task("web-9", "miniwob", "Click."), [
@@ -123,7 +123,7 @@ def test_garbage_output_falls_back_and_is_counted():
 
 def test_batch_of_three_makes_one_backend_call_and_writes_back():
     backend = ScriptedBackend()
-    buffer = open_replay_buffer("embedded", HashingEncoder())
+    buffer = open_replay_buffer("embedded", HashingEncoder(), index=settings_from_params("buffer_index"))
     env = make_env(backend, buffer)
     episodes = [env.new_episode(TASK, f"syn-{i}") for i in range(3)]
     results = env.step_batch(episodes, ["open fridge", "eat meal", "look"])

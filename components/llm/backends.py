@@ -1,8 +1,9 @@
 """Text generation backends: prompts in, replies out, one per prompt, in order.
 
-Hugging Face batched `generate` (the default, CPU or one GPU), vLLM offline inference (GPU), and any
-OpenAI-compatible endpoint (a served model that many workers share). The experience model, the curriculum's task
-writer, the annotation teacher and the policy's next-action accuracy all generate through this seam.
+Hugging Face batched `generate` (the default, CPU or one GPU), llama.cpp in-process (CPU, the model exported to
+GGUF), vLLM offline inference (GPU), and any OpenAI-compatible endpoint (a served model that many workers share).
+The experience model, the curriculum's task writer, the annotation teacher and the policy's next-action accuracy all
+generate through this seam.
 """
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import os
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:  # torch and transformers load inside the functions that need them
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from components.llm.gguf_export import WeightType
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +218,63 @@ def _with_stop(text: str, choice: dict[str, Any], stop: Sequence[str]) -> str:
     return text
 
 
+class LlamaCppBackend:
+    """llama.cpp in-process (CPU): the trained model exported to GGUF (`gguf_export`), no server, no Python per layer.
+
+    A 135M model under Hugging Face `generate` on a CPU is bound by per-token Python and kernel-launch overhead;
+    llama.cpp runs the same weights in one C++ graph. Prompts are encoded by the Hugging Face tokenizer exactly as
+    `HFGenerationBackend` encodes them (the same token ids reach the model), and llama.cpp keeps the key/value cache
+    of the longest prefix a prompt shares with the previous one (the system message at least). A reply ends at
+    end-of-sequence, at `max_new_tokens`, or with the token that completes a stop string (kept, as with the HF
+    backend). One sequence at a time: on a 2-core CPU batching buys nothing (benchmarks/synthetic_throughput.py).
+    """
+
+    def __init__(self, model_dir: str | Path, cache_dir: str | Path, weight_type: WeightType, threads: int,
+                 context: int, stop: Sequence[str] = ()) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        try:
+            from llama_cpp import Llama
+        except ImportError as error:
+            raise ImportError("the 'llamacpp' backend needs llama-cpp-python (installed by `make setup`)") from error
+        from components.llm.gguf_export import export_gguf
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        self.end_ids = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+        self.stop = list(stop)
+        # The context is sized to what a prompt and its reply need, not the model's maximum: without flash attention
+        # prefill cost grows with it. Threads 0: every core.
+        self.llm = Llama(model_path=str(export_gguf(model_dir, weight_type, cache_dir)), n_ctx=context,
+                         flash_attn=True, n_threads=threads or os.cpu_count(), n_batch=512, verbose=False)
+        weakref.finalize(self, self.llm.close)  # freed with the backend, or at exit before the bindings unload
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        replies = []
+        for prompt in prompts:
+            ids = encode_prompt(self.tokenizer, prompt)
+            if len(ids) + max_new_tokens > self.llm.n_ctx():
+                raise BackendError(f"a prompt of {len(ids)} tokens plus {max_new_tokens} new ones exceeds the "
+                                   f"llama.cpp context of {self.llm.n_ctx()} tokens: raise llamacpp.context")
+            new: list[int] = []
+            # temp 0 is llama.cpp's greedy sampler; above it, plain sampling as sampling_settings asks of HF.
+            for token in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                           reset=True):
+                if token in self.end_ids:
+                    break
+                new.append(token)
+                if len(new) >= max_new_tokens or self._stopped(new):
+                    break
+            replies.append(self.tokenizer.decode(new, skip_special_tokens=True))
+        return replies
+
+    def _stopped(self, new: list[int]) -> bool:
+        if not self.stop:
+            return False
+        tail = self.tokenizer.decode(new[-16:], skip_special_tokens=True)  # 16 tokens hold any closing tag
+        return any(s in tail for s in self.stop)
+
+
 class VLLMBackend:
     """vLLM offline inference (GPU): `LLM(model_dir).chat(...)`. A seam for machines that have vLLM installed.
 
@@ -249,24 +311,32 @@ class VLLMBackend:
 
 
 def make_backend(
-    kind: Literal["hf", "vllm", "openai"],
+    kind: Literal["hf", "llamacpp", "vllm", "openai"],
     model: str,
-    batch_size: int = 8,
-    base_url: str | None = None,
-    dtype: Literal["float32", "bfloat16"] = "float32",
+    *,
+    batch_size: int,
+    base_url: str | None,
+    weight_type: WeightType,
+    threads: int,
+    context: int,
+    cache_dir: str | Path,
     stop: Sequence[str] = (),
 ) -> GenerationBackend:
-    """The backend params.yaml names: `model` is a trained model directory (hf, vllm) or the served name (openai).
-    `stop`: strings that end a reply (e.g. the closing tag of the expected format), kept in the reply."""
+    """The backend params.yaml names (`builders.generation_backend` maps it): `model` is a trained model directory
+    (hf, llamacpp, vllm) or the served name (openai). `stop`: strings that end a reply (e.g. the closing tag of the
+    expected format), kept in the reply. weight_type, threads, context (prompt and reply tokens) and cache_dir (where
+    GGUF exports go) are llamacpp's."""
     if kind == "hf":
         from components.llm.sft import load_trained_model
 
-        lm, tokenizer = load_trained_model(model, dtype=dtype)
+        lm, tokenizer = load_trained_model(model)
         return HFGenerationBackend(lm, tokenizer, batch_size=batch_size, stop=stop)
+    if kind == "llamacpp":
+        return LlamaCppBackend(model, cache_dir, weight_type, threads, context, stop=stop)
     if kind == "vllm":
         return VLLMBackend(model, stop=stop)
     if kind == "openai":
         if not base_url:
             raise ValueError("the 'openai' backend needs base_url (e.g. http://127.0.0.1:8000/v1)")
         return OpenAICompatibleBackend(base_url, model, stop=stop)
-    raise ValueError(f"unknown backend {kind!r}: expected 'hf', 'vllm' or 'openai'")
+    raise ValueError(f"unknown backend {kind!r}: expected 'hf', 'llamacpp', 'vllm' or 'openai'")

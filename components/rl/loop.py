@@ -27,7 +27,7 @@ from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
 from components.llm.sft import LoraSettings, save_for_inference
 from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
-from components.simulator.replay_buffer import ReplayBuffer, WeaviateReplayBuffer, load_replay_buffer
+from components.simulator.replay_buffer import FaissReplayBuffer, ReplayBuffer, WeaviateReplayBuffer
 from components.simulator.synthetic import add_to_buffer
 
 if TYPE_CHECKING:  # curriculum.py builds on this module
@@ -233,8 +233,8 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Cur
     own copy, already holds them and drops the ones a killed run added after the checkpoint.
     """
     log = read_iteration_log(checkpoint) or []
-    if buffer is not None and buffer.backend == "embedded":
-        saved = load_replay_buffer(checkpoint / BUFFER_DIR, buffer.encoder)
+    if isinstance(buffer, FaissReplayBuffer):
+        saved = FaissReplayBuffer.load(checkpoint / BUFFER_DIR, buffer.encoder, buffer.index)
         records, vectors = saved.export(source="synthetic")
         buffer.add_vectors(records, vectors)
     elif isinstance(buffer, WeaviateReplayBuffer):
