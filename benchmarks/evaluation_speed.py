@@ -5,6 +5,7 @@
 after another).
 
     .venv/bin/python benchmarks/evaluation_speed.py [--games N] [--policy DIR|NAME] [--threads T] [--workers W]
+        [--params FILE] [--rounds R] [--no-batched]
 
 The same policy plays the same N held-out TextWorld games greedily through `evaluation.evaluate_policy` (the
 stage's harness: W environments stepped in parallel threads) both ways, alternating which goes first per round so a
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--workers", type=int, default=2, help="environments stepped in parallel (threads)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--batched", action=argparse.BooleanOptionalAction, default=True,
+                        help="also play every game's turn batched into one generate (--no-batched: skip it)")
     args = parser.parse_args()
     print_machine(args.threads)
 
@@ -77,8 +80,9 @@ def main() -> None:
                   f"{result.successes}/{result.episodes} won", flush=True)
 
     batched = "batched across games"
-    seconds[batched], actions[batched] = 0.0, []
-    for round_ in range(args.rounds):
+    if args.batched:
+        seconds[batched], actions[batched] = 0.0, []
+    for round_ in range(args.rounds if args.batched else 0):
         started = time.perf_counter()
         batch = RealBatch(lambda task: kind.open(params.environments))
         try:
