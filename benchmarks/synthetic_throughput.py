@@ -14,7 +14,8 @@ favour one; times are summed over rounds.
 Printed per path: transitions per second and the ratio to the first path; per transition, prompt and reply tokens
 and where the time went: retrieval (encoder and index), prompt encoding (the same prompts generated again for one
 token, timed apart: prefill), decoding (generation minus prefill) and the rest (prompt building, chat template,
-parsing). Then the fidelity table of each path on the same transitions (with the state-unchanged floor), and how
+parsing), and the prompt's tokens part by part (system message, task, retrieved examples, history, current state,
+action). Then the fidelity table of each path on the same transitions (with the state-unchanged floor), and how
 many replies equal the first path's. The model is the params' trained experience model unless `--model` names one.
 """
 from __future__ import annotations
@@ -48,6 +49,21 @@ class Timed:
         self.prompts += prompts
         self.replies += replies
         return replies
+
+
+PARTS = (("Task (", "task"), ("Similar transitions:", "retrieved examples"), ("Recent history", "history"),
+         ("Current state:", "current state"), ("Action:", "action"))
+
+
+def prompt_parts(prompts: list, tokenizer: Any) -> str:
+    """Where a prompt's tokens go: the system message and each part `build_messages` joins into the user message."""
+    totals = {"system": 0, **{name: 0 for _, name in PARTS}}
+    for messages in prompts:
+        totals["system"] += len(tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"])
+        for part in messages[1]["content"].split("\n\n"):
+            name = next((name for prefix, name in PARTS if part.startswith(prefix)), "current state")
+            totals[name] += len(tokenizer(part, add_special_tokens=False)["input_ids"])
+    return ", ".join(f"{name} {count / max(len(prompts), 1):.0f}" for name, count in totals.items())
 
 
 def main() -> None:
@@ -138,6 +154,7 @@ def main() -> None:
     print(table(["path", "transitions/s", "s per transition", "speed vs first", "prompt tok", "reply tok",
                  "retrieval ms", "prompt encoding s", "decoding s", "ms per reply token", "rest ms",
                  "fell back"], rows))
+    print("\nprompt tokens per part (mean per generation): " + prompt_parts(backends[args.paths[0]].prompts, tokenizer))
     same = {path: sum(a == b for a, b in zip(backends[path].replies, backends[args.paths[0]].replies))
             for path in args.paths}
     print("\nreplies identical to the first path's (last round): "
