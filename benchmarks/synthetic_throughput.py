@@ -93,6 +93,8 @@ def main() -> None:
 
     retrieval = {"seconds": 0.0}
     retrieve = buffer.retrieve_examples
+    first = heldout[0]
+    retrieve([(first.task.environment, first.state, first.action, first.trajectory_id)], fmt.top_k)  # loads the encoder
 
     def timed_retrieve(*a: Any, **k: Any) -> Any:
         started = time.perf_counter()
