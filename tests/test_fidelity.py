@@ -6,6 +6,7 @@ test double in test_replay_buffer.py), so which neighbour wins is computable by 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +15,7 @@ from components.simulator.experience_model import Prediction
 from components.simulator.fidelity import (
     OVERALL,
     Guess,
+    changed_text,
     copy_nearest_neighbour,
     evaluate,
     exact_match,
@@ -95,14 +97,44 @@ def test_score_predictions_per_environment_and_overall():
     assert web["positive_n"] == 0 and web["positive_reward_accuracy"] is None  # empty subset: no made-up rate
     overall = scores[OVERALL]
     assert overall["n"] == 4 and overall["exact_match"] == 0.5 and overall["reward_accuracy"] == 0.5
+    counts = {"n", "false_wins", "missed_wins", "refusal_false_wins"}
     for metrics in scores.values():
         for key, value in metrics.items():
-            if not key.endswith("_n") and key != "n" and value is not None:
+            if not key.endswith("_n") and key not in counts and value is not None:
                 assert 0.0 <= value <= 1.0, key
     json.dumps(scores)  # the metrics file is plain JSON
 
     with pytest.raises(ValueError, match="3 predictions for 4 transitions"):
         score_predictions(gold, predictions[:3])
+
+
+def test_what_changed_false_wins_and_refusals_are_scored_apart():
+    kitchen = "Recipe:\nfry the apple\nObservation:\nYou are in a kitchen.\nInventory: nothing."
+    took = "Recipe:\nfry the apple\nObservation:\nYou take the apple.\nInventory: an apple."
+    refused = "Recipe:\nfry the apple\nObservation:\nYou can't see any such thing.\nInventory: nothing."
+    gold = [transition(kitchen, "take apple", took),
+            transition(kitchen, "eat meal", refused),
+            transition(kitchen, "eat meal", "You eat the meal.", 1.0, True)]
+    gold[1] = replace(gold[1], info={"valid_action": False})
+    assert changed_text(kitchen, took) == "You take the apple.\nInventory: an apple."
+    assert changed_text(kitchen, kitchen) == ""
+
+    unchanged = score_predictions(gold, state_unchanged(gold))[OVERALL]
+    assert unchanged["change_f1"] == 0.0  # every step changed something; copying the state says nothing of it
+    assert unchanged["false_wins"] == 0 and unchanged["missed_wins"] == 1 and unchanged["unrewarded_n"] == 2
+    assert unchanged["refused_n"] == 1 and unchanged["refusal_change_f1"] == 0.0
+
+    # right about the take, a refused `eat meal` rewarded (a false win), the real win missed
+    guesses = [Guess(took, 0.0, False), Guess("Meal eaten.", 1.0, True), Guess(kitchen, 0.0, False)]
+    scores = score_predictions(gold, guesses)[OVERALL]
+    assert scores["false_wins"] == 1 and scores["refusal_false_wins"] == 1 and scores["missed_wins"] == 1
+    assert scores["change_f1"] == pytest.approx((1.0 + 0.0 + 0.0) / 3)
+    assert scores["refusal_change_f1"] == 0.0
+    report = fidelity_report({"model": {OVERALL: scores}})
+    assert "1 of 2" in report and "0.000 (n=1)" in report  # false wins of the unrewarded; refusals' change F1
+
+    no_info = score_predictions(gold[:1], guesses[:1])[OVERALL]
+    assert no_info["refused_n"] == 0 and no_info["refusal_change_f1"] is None  # seed data without the info
 
 
 def test_embedding_similarity_with_an_encoder():

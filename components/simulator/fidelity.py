@@ -20,12 +20,20 @@ Metrics (`score_predictions`), per environment and overall, every rate a fractio
 - `token_f1`: SQuAD-style token F1 of next states: lower-cased `\\w+` tokens (whitespace and punctuation split and
   dropped), multiset overlap, harmonic mean of precision and recall; 1.0 when both are empty, 0.0 when one is.
   Unlike SQuAD, articles are kept: in TextWorld "a" / "the" carry no answer span, they are state text.
+- `change_f1`: token F1 of what changed: the lines of the next state that the current state does not hold (a
+  multiset of stripped lines), predicted against real. Copying the state scores 0 on a step that changed something
+  (and 1 where nothing did), so this is the measure that token F1 of whole states, mostly unchanged text, blurs.
 - `embedding_similarity` (only when an encoder is given): mean cosine of the next-state embeddings.
 - `reward_accuracy`: |predicted - gold| < `reward_tolerance` (default 0.5). Seed rewards are binary {0, 1}, where
   this is exactly "the prediction rounds to the gold reward"; for graded rewards pass a smaller tolerance.
 - `positive_reward_accuracy` over the `positive_n` transitions with gold reward > 0: rewards are rare (about 2% of
   TextWorld steps), so a constant-0 predictor already scores ~98% overall and 0% here.
 - `done_accuracy`, and `terminal_done_accuracy` over the `terminal_n` transitions that do end the episode.
+- `false_wins` (of the `unrewarded_n` transitions with gold reward <= 0, those predicted a reward above it beyond the
+  tolerance: a synthetic win the game never gives) and `missed_wins` (rewarded transitions predicted without it).
+- `refused_n`: transitions whose step info says the game refused the command (`valid_action` false, as the real
+  TextWorld adapter records); `refusal_change_f1` (did the model say what the game answered?) and
+  `refusal_false_wins` over them. Seed data from elsewhere may carry no such info: then refused_n is 0.
 A rate over an empty subset is None (JSON null), never a made-up 0 or 1.
 """
 from __future__ import annotations
@@ -132,6 +140,18 @@ def reward_correct(pred: float, gold: float, tolerance: float = 0.5) -> bool:
     return abs(float(pred) - float(gold)) < tolerance
 
 
+def changed_text(state: str, next_state: str) -> str:
+    """The lines of `next_state` that `state` does not hold (as a multiset of stripped, non-empty lines), in order."""
+    left = Counter(line.strip() for line in state.splitlines() if line.strip())
+    changed = []
+    for line in (line.strip() for line in next_state.splitlines()):
+        if line and left[line] > 0:
+            left[line] -= 1
+        elif line:
+            changed.append(line)
+    return "\n".join(changed)
+
+
 def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[PredictionLike], *,
                       reward_tolerance: float = 0.5, encoder: Encoder | None = None) -> dict[str, dict[str, Any]]:
     """{environment: metrics, ..., "overall": metrics} for predictions aligned with transitions (module docstring)."""
@@ -140,15 +160,19 @@ def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[
     rewarded = rewarded_commands(transitions_)
     rows = []
     for t, p in zip(transitions_, predictions):
+        reward_right = reward_correct(p.reward, t.reward, reward_tolerance)
         rows.append({
             "environment": t.task.environment,
             "exact": exact_match(p.next_state, t.next_state),
             "f1": token_f1(p.next_state, t.next_state),
-            "reward": reward_correct(p.reward, t.reward, reward_tolerance),
+            "change_f1": token_f1(changed_text(t.state, p.next_state), changed_text(t.state, t.next_state)),
+            "reward": reward_right,
             "positive": t.reward > 0,
+            "false_win": t.reward <= 0 and not reward_right and p.reward > t.reward,
             "done": bool(p.done) == bool(t.done),
             "terminal": bool(t.done),
             "lookalike": is_lookalike(t, rewarded),
+            "refused": t.info.get("valid_action") is False,
         })
     if encoder is not None and rows:
         predicted = encoder.encode([p.next_state for p in predictions])
@@ -177,10 +201,12 @@ def _aggregate(rows: list[dict[str, Any]], with_embeddings: bool) -> dict[str, A
     positive = [r for r in rows if r["positive"]]
     terminal = [r for r in rows if r["terminal"]]
     lookalike = [r for r in rows if r["lookalike"]]
+    refused = [r for r in rows if r["refused"]]
     metrics: dict[str, Any] = {
         "n": len(rows),
         "exact_match": _mean([r["exact"] for r in rows]),
         "token_f1": _mean([r["f1"] for r in rows]),
+        "change_f1": _mean([r["change_f1"] for r in rows]),
         "reward_accuracy": _mean([r["reward"] for r in rows]),
         "positive_n": len(positive),
         "positive_reward_accuracy": _mean([r["reward"] for r in positive]),
@@ -189,6 +215,12 @@ def _aggregate(rows: list[dict[str, Any]], with_embeddings: bool) -> dict[str, A
         "terminal_done_accuracy": _mean([r["done"] for r in terminal]),
         "lookalike_n": len(lookalike),
         "lookalike_reward_accuracy": _mean([r["reward"] for r in lookalike]),
+        "unrewarded_n": len(rows) - len(positive),
+        "false_wins": sum(r["false_win"] for r in rows),
+        "missed_wins": sum(not r["reward"] for r in positive),
+        "refused_n": len(refused),
+        "refusal_change_f1": _mean([r["change_f1"] for r in refused]),
+        "refusal_false_wins": sum(r["false_win"] for r in refused),
     }
     if with_embeddings:
         metrics["embedding_similarity"] = _mean([r["cosine"] for r in rows])
@@ -273,11 +305,12 @@ def evaluate(predictors: dict[str, Predictor], transitions_: list[Transition], *
 
 
 # ---------------------------------------------------------------------------------------------------- the report
-_COLUMNS = (("n", "n"), ("exact_match", "exact match"), ("token_f1", "token F1"),
+_COLUMNS = (("n", "n"), ("exact_match", "exact match"), ("token_f1", "token F1"), ("change_f1", "change F1"),
             ("embedding_similarity", "embedding sim."), ("reward_accuracy", "reward acc."),
             ("positive_reward_accuracy", "reward acc. (r>0)"), ("done_accuracy", "done acc."),
             ("terminal_done_accuracy", "done acc. (terminal)"),
-            ("lookalike_reward_accuracy", "reward acc. (look-alikes)"))
+            ("lookalike_reward_accuracy", "reward acc. (look-alikes)"), ("false_wins", "false wins"),
+            ("missed_wins", "missed wins"), ("refusal_change_f1", "refusals: change F1"))
 
 
 def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | None = "Fidelity on held-out real "
@@ -299,6 +332,12 @@ def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | 
                     cells.append(f"{value:.3f} (n={metrics['terminal_n']})")
                 elif key == "lookalike_reward_accuracy" and value is not None:
                     cells.append(f"{value:.3f} (n={metrics['lookalike_n']})")
+                elif key == "false_wins":
+                    cells.append(f"{value} of {metrics['unrewarded_n']}")
+                elif key == "missed_wins":
+                    cells.append(f"{value} of {metrics['positive_n']}")
+                elif key == "refusal_change_f1" and value is not None:
+                    cells.append(f"{value:.3f} (n={metrics['refused_n']})")
                 elif value is None:
                     cells.append("–")
                 elif isinstance(value, int) and not isinstance(value, bool):
@@ -307,7 +346,10 @@ def fidelity_report(results: dict[str, dict[str, dict[str, Any]]], title: str | 
                     cells.append(f"{value:.3f}")
             lines.append(f"| {name} | {environment} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"Reward accuracy: |predicted − gold| < {reward_tolerance:g}. Look-alikes: unrewarded steps whose "
-                 "command is rewarded elsewhere in the sample (`eat meal` with no meal). Rates are fractions in "
+    lines.append(f"Reward accuracy: |predicted − gold| < {reward_tolerance:g}. Change F1: token F1 of the lines the "
+                 "step changed, predicted against real (copying the state scores 0 where something changed). "
+                 "Look-alikes: unrewarded steps whose command is rewarded elsewhere in the sample (`eat meal` with "
+                 "no meal). False wins: a reward predicted where the game gave none; missed wins: the reverse. "
+                 "Refusals: commands the game refused (step info `valid_action` false). Rates are fractions in "
                  "[0, 1]; – marks an empty subset.")
     return "\n".join(lines) + "\n"
