@@ -1,8 +1,9 @@
-"""Closed-loop evaluation of an LLM policy, three ways in one run: the conversation re-encoded whole at every turn
+"""Closed-loop play of an LLM policy, four ways in one run: the conversation re-encoded whole at every turn
 (`HFGenerationBackend` at batch 1, the path before `ConversationBackend`), encoded once and extended turn by turn
-(`ConversationBackend`, the stage's path now), and every game's turn batched into one `generate` (the RL rollout's
-`rollouts.rollout` over a `RealBatch` at temperature 0: batched, re-encoded every turn, environments stepped one
-after another).
+(`ConversationBackend`, the evaluation stage's path), and the RL rollout (`rollouts.rollout` over a `RealBatch` at
+temperature 0, environments stepped one after another) both ways its `batched` switch offers: every game's turn in
+one `generate` re-encoding every context, or one game at a time carrying its key/value cache (`policy.batched_rollouts`
+false, the CPU profiles' setting).
 
     .venv/bin/python benchmarks/evaluation_speed.py [--games N] [--policy DIR|NAME] [--threads T] [--workers W]
         [--params FILE] [--rounds R] [--no-batched]
@@ -11,7 +12,8 @@ The same policy plays the same N held-out TextWorld games greedily through `eval
 stage's harness: W environments stepped in parallel threads) both ways, alternating which goes first per round so a
 machine that slows down does not favour one. Prints seconds per game, prompt tokens encoded per game, the ratio,
 and whether each played the same actions as the first in every game (the cached path should: the same token ids
-reach the model; the batched one keeps the raw reply tokens in its context, not the parsed action, so it may not).
+reach the model; the rollouts keep the raw reply tokens in their context, not the parsed action, so they may not;
+the rollout's two ways must agree with each other).
 Default policy: the warm start in models/policy/sft/model if trained, else the packaged base model.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="environments stepped in parallel (threads)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--batched", action=argparse.BooleanOptionalAction, default=True,
-                        help="also play every game's turn batched into one generate (--no-batched: skip it)")
+                        help="also play the RL rollout's two ways (--no-batched: skip them)")
     args = parser.parse_args()
     print_machine(args.threads)
 
@@ -79,22 +81,23 @@ def main() -> None:
             print(f"round {round_ + 1}, {way}: {time.perf_counter() - started:.1f} s, "
                   f"{result.successes}/{result.episodes} won", flush=True)
 
-    batched = "batched across games"
-    if args.batched:
-        seconds[batched], actions[batched] = 0.0, []
-    for round_ in range(args.rounds if args.batched else 0):
-        started = time.perf_counter()
-        batch = RealBatch(lambda task: kind.open(params.environments))
-        try:
-            episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=params.policy.max_turns,
-                               max_action_tokens=max_tokens, max_tokens=params.synthetic_rl.max_tokens,
-                               temperature=0.0)
-        finally:
-            batch.close()
-        seconds[batched] += time.perf_counter() - started
-        actions[batched].append([e.actions for e in episodes])
-        print(f"round {round_ + 1}, {batched}: {time.perf_counter() - started:.1f} s, "
-              f"{sum(e.success for e in episodes)}/{len(episodes)} won", flush=True)
+    # The RL rollout (`rollouts.rollout` over a RealBatch, greedy here), both ways its `batched` switch offers.
+    rollout_ways = {"rollout, batched across games": True, "rollout, one game at a time with its KV cache": False}
+    for way, batched in (rollout_ways.items() if args.batched else ()):
+        seconds[way], actions[way] = 0.0, []
+        for round_ in range(args.rounds):
+            started = time.perf_counter()
+            batch = RealBatch(lambda task: kind.open(params.environments))
+            try:
+                episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=params.policy.max_turns,
+                                   batched=batched, max_action_tokens=max_tokens,
+                                   max_tokens=params.synthetic_rl.max_tokens, temperature=0.0)
+            finally:
+                batch.close()
+            seconds[way] += time.perf_counter() - started
+            actions[way].append([e.actions for e in episodes])
+            print(f"round {round_ + 1}, {way}: {time.perf_counter() - started:.1f} s, "
+                  f"{sum(e.success for e in episodes)}/{len(episodes)} won", flush=True)
 
     games = len(tasks) * args.rounds
     cached = backends["encoded once (KV cache)"]
@@ -102,7 +105,7 @@ def main() -> None:
     prompt = sum(b.prompt_tokens for b in cached)
     baseline = seconds["re-encoded every turn"] / games
     encoded_per_game = {"re-encoded every turn": f"{prompt / games:.0f}", "encoded once (KV cache)":
-                        f"{encoded / games:.0f}", batched: "n/a"}
+                        f"{encoded / games:.0f}", **dict.fromkeys(rollout_ways, "n/a")}
     rows = [[way, f"{seconds[way] / games:.2f}", encoded_per_game[way], f"{baseline / (seconds[way] / games):.2f}x",
              str(actions[way] == actions["re-encoded every turn"])] for way in seconds]
     print()

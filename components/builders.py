@@ -96,7 +96,8 @@ def rl_settings(params: Params):
     return RLSettings(
         **rl.model_dump(exclude={"out_dir", "lora", "ppo", "curriculum"}),
         lora=LoraSettings(**rl.lora.model_dump()) if rl.lora else None, ppo=PPOSettings(**rl.ppo.model_dump()),
-        max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens, seed=params.seed)
+        max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens,
+        batched_rollouts=params.policy.batched_rollouts, seed=params.seed)
 
 
 def experience_backend(params: Params, root: Path) -> Any:

@@ -253,6 +253,9 @@ class PolicyParams(Section):
     prompt: PolicyPromptParams
     max_turns: int = Field(gt=0, description="episode turn limit for the policy, in rollouts and evaluation")
     max_action_tokens: int = Field(gt=0)
+    batched_rollouts: bool = Field(description=(
+        "RL rollouts: true, every episode's turn in one batched generate over its whole context (pays on a GPU); "
+        "false, one episode at a time carrying its key/value cache across turns (pays on a CPU)"))
     sft: PolicySFTParams
     accuracy_trajectories: int = Field(ge=0, description="held-out seed trajectories for next-action accuracy")
     eval_tasks: int = Field(ge=0, description="held-out real tasks per environment for closed-loop success")

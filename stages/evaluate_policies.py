@@ -85,6 +85,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
             result = evaluate_in_simulation(model, tokenizer, SyntheticBatch(env), simulated[env.name], fmt,
                                             max_turns=params.policy.max_turns,
                                             max_action_tokens=params.policy.max_action_tokens,
+                                            batched=params.policy.batched_rollouts,
                                             confidence=params.evaluate.confidence, name=label)
             entry[f"{env.name} (simulated)"] = result.metrics()
             episodes += result.trajectories

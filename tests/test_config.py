@@ -178,7 +178,8 @@ def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
         (TrainingSettings, config.TrainingParams, {"seed"}),
         (CurriculumSettings, config.CurriculumParams, set()),
         (PPOSettings, config.PPOParams, set()),
-        (RLSettings, config.SyntheticRLParams, {"max_turns", "max_action_tokens", "seed"}),  # policy.*, seed
+        # policy.* and seed
+        (RLSettings, config.SyntheticRLParams, {"max_turns", "max_action_tokens", "batched_rollouts", "seed"}),
         (IndexSettings, config.BufferIndexParams, set()),
     ]
     for settings, section, elsewhere in mirrors:

@@ -112,12 +112,13 @@ def test_a_conversation_encoded_once_plays_the_same_actions_as_one_encoded_every
         cached.generate(["a", "b"], max_new_tokens=1)
 
 
-def test_rollout_tokens_masks_and_episode_ends(tiny):
+@pytest.mark.parametrize("batched", [True, False])
+def test_rollout_tokens_masks_and_episode_ends(tiny, batched):
     model, tokenizer = tiny
     env = _synthetic(ScriptedBackend())
     stats = RolloutStats()
     episodes = rollout(model, tokenizer, SyntheticBatch(env), [TASK] * 3, POLICY_FORMAT, max_turns=3,
-                       max_action_tokens=5, temperature=1.0, stats=stats)
+                       batched=batched, max_action_tokens=5, temperature=1.0, stats=stats)
 
     assert len(episodes) == 3 and stats.turns == sum(len(e.actions) for e in episodes) > 0
     segments = ChatSegments(tokenizer)
@@ -138,6 +139,20 @@ def test_rollout_tokens_masks_and_episode_ends(tiny):
     assert sum(sum(e.env_mask) for e in episodes) == stats.policy_tokens
 
 
+def test_greedy_rollouts_are_the_same_batched_or_one_episode_at_a_time_with_its_cache(tiny):
+    """The per-episode path encodes only each new environment turn, yet the same tokens reach the model: greedy
+    episodes match the batched path's token for token, and so do their log-probabilities."""
+    model, tokenizer = tiny
+    tasks = [TASK, Task("tw-2", ENV, "Slice a potato.", {"initial_state": "A potato lies here."}), TASK]
+    played = {batched: rollout(model, tokenizer, SyntheticBatch(_synthetic(ScriptedBackend())), tasks, POLICY_FORMAT,
+                               max_turns=3, batched=batched, max_action_tokens=5, temperature=0.0)
+              for batched in (True, False)}
+    for batched, cached in zip(played[True], played[False], strict=True):
+        assert cached.completion_ids == batched.completion_ids and cached.actions == batched.actions
+        assert cached.env_mask == batched.env_mask
+        assert cached.logprobs == pytest.approx(batched.logprobs, abs=1e-4)
+
+
 def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny):
     model, tokenizer = tiny
 
@@ -146,14 +161,14 @@ def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny)
             return [format_target("done", 1.0, True, "finished") for _ in prompts]
 
     won = rollout(model, tokenizer, SyntheticBatch(_synthetic(WinsAtOnce())), [TASK], POLICY_FORMAT, max_turns=5,
-                  max_action_tokens=3)[0]
+                  batched=True, max_action_tokens=3)[0]
     assert (won.done, won.success, won.truncated, won.rewards) == (True, True, False, [1.0])
     assert won.env_mask == [1] * len(won.completion_ids)  # nothing follows the last action
     assert won.trajectory.success
 
     env = _synthetic(ScriptedBackend())
-    cut = rollout(model, tokenizer, SyntheticBatch(env), [TASK], POLICY_FORMAT, max_turns=2, max_action_tokens=3,
-                  temperature=0.0)[0]
+    cut = rollout(model, tokenizer, SyntheticBatch(env), [TASK], POLICY_FORMAT, max_turns=2, batched=False,
+                  max_action_tokens=3, temperature=0.0)[0]
     assert cut.truncated and not cut.done and len(cut.actions) == 2
 
 
@@ -177,8 +192,8 @@ def test_an_environment_failure_in_real_rl_is_counted_apart_and_given_no_advanta
     batch = RealBatch(lambda _: next(engines))
     model, tokenizer = tiny
     try:
-        episodes = rollout(model, tokenizer, batch, [task, task], POLICY_FORMAT, max_turns=2, max_action_tokens=4,
-                           max_tokens=2000)
+        episodes = rollout(model, tokenizer, batch, [task, task], POLICY_FORMAT, max_turns=2, batched=True,
+                           max_action_tokens=4, max_tokens=2000)
     finally:
         batch.close()
     played, failed = episodes

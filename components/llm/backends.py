@@ -120,12 +120,18 @@ class ConversationBackend:
         self.encoded_tokens = 0
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
-        import torch
-        from transformers import DynamicCache
-
         if len(prompts) != 1:
             raise ValueError(f"a ConversationBackend continues one conversation: got {len(prompts)} prompts")
         ids = encode_prompt(self.tokenizer, prompts[0])
+        sequence = self.extend(ids, max_new_tokens, temperature)[0].tolist()
+        return [self.tokenizer.decode(sequence[len(ids):], skip_special_tokens=True)]
+
+    def extend(self, ids: list[int], max_new_tokens: int, temperature: float, **generate_kwargs: Any) -> Any:
+        """`model.generate` on the token ids `ids`, encoding only what follows the longest prefix they share with the
+        cache (see the class); returns what generate returns (its sequences begin with `ids`)."""
+        import torch
+        from transformers import DynamicCache
+
         shared = 0
         for cached, new in zip(self.cached_ids, ids[:-1]):  # at least the last token is encoded: it gives the logits
             if cached != new:
@@ -143,11 +149,11 @@ class ConversationBackend:
             output = self.model.generate(
                 input_ids=torch.tensor([ids], device=self.model.device), attention_mask=torch.ones(
                     1, len(ids), dtype=torch.long, device=self.model.device), past_key_values=self.cache,
-                max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                max_new_tokens=max_new_tokens, **{"pad_token_id": self.tokenizer.pad_token_id, **generate_kwargs},
                 **sampling_settings(temperature))
-        sequence = output[0].tolist()
-        self.cached_ids = sequence[:self.cache.get_seq_length()]
-        return [self.tokenizer.decode(sequence[len(ids):], skip_special_tokens=True)]
+        sequences = output.sequences if hasattr(output, "sequences") else output
+        self.cached_ids = sequences[0].tolist()[:self.cache.get_seq_length()]
+        return output
 
 
 class OpenAICompatibleBackend:

@@ -193,17 +193,18 @@ def summarize(environment: str, policy: str, trajectories: list[Trajectory], con
 
 
 def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[Task], fmt: Any, *, max_turns: int,
-                           max_action_tokens: int, confidence: float, name: str) -> EvaluationResult:
+                           max_action_tokens: int, batched: bool, confidence: float, name: str) -> EvaluationResult:
     """A policy (greedy) on `tasks` inside a synthetic environment (`batch`: a rollouts.SyntheticBatch).
 
     The closed-loop measure a seed-only domain has: success is the experience model's verdict, so this scores the
-    policy against the simulator, not the application (report it as such). All tasks play at once, batched.
+    policy against the simulator, not the application (report it as such). All tasks play at once (`batched`: see
+    rollouts.rollout).
     """
     from components.rl.rollouts import rollout
 
     started = time.monotonic()
-    episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=max_turns, max_action_tokens=max_action_tokens,
-                       temperature=0.0)
+    episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=max_turns, batched=batched,
+                       max_action_tokens=max_action_tokens, temperature=0.0)
     environment = ",".join(sorted({task.environment for task in tasks}))
     return summarize(environment, name, [e.trajectory for e in episodes], confidence, time.monotonic() - started)
 

@@ -65,6 +65,7 @@ class RLSettings:
     clip_epsilon: float
     max_turns: int
     max_action_tokens: int
+    batched_rollouts: bool  # rollouts.rollout's `batched`
     max_tokens: int  # an episode's whole token sequence
     micro_batch_size: int  # episodes per forward/backward pass (gradients accumulate over the iteration)
     save_every: int
@@ -164,8 +165,8 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
                                            settings.seed)
     stats = RolloutStats()
     episodes = rollout(model, tokenizer, make_batch(), tasks, fmt, max_turns=settings.max_turns,
-                       max_action_tokens=settings.max_action_tokens, max_tokens=settings.max_tokens,
-                       temperature=settings.temperature, stats=stats)
+                       batched=settings.batched_rollouts, max_action_tokens=settings.max_action_tokens,
+                       max_tokens=settings.max_tokens, temperature=settings.temperature, stats=stats)
     check_not_all_failed([e.trajectory for e in episodes], f"RL iteration {iteration + 1}")
     started = time.monotonic()
     added = add_to_buffer(buffer, [e.trajectory for e in trainable(episodes)]) if buffer is not None else 0

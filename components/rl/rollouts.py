@@ -5,8 +5,10 @@ An episode is one token sequence: `prompt_ids` (system, task and first state, as
 and the environment's reply, i.e. the end of the assistant turn and the next state as a user turn (`env_mask` 0).
 GRPO and PPO train on exactly these tokens, the loss on the policy's tokens only.
 
-Each turn: every unfinished episode gets its next action from one batched `generate` over its whole sequence
-(left-padded), then the environment steps all of them in one batch (`EpisodeBatch.step`: the synthetic environment
+Each turn: every unfinished episode gets its next action, either from one batched `generate` over its whole sequence
+(left-padded; `batched`, what pays on a GPU) or one episode at a time through its own `ConversationBackend`, which
+carries the episode's key/value cache from turn to turn and encodes only the new environment turn (what pays on a
+CPU); then the environment steps all of them in one batch (`EpisodeBatch.step`: the synthetic environment
 asks the experience model once per turn for the whole batch). An episode ends when the environment says done, at
 `max_turns`, or when its sequence would pass `max_tokens`.
 """
@@ -28,7 +30,7 @@ from components.envs.base import (
     StepResult,
     failed_reset,
 )
-from components.llm.backends import sampling_settings
+from components.llm.backends import ConversationBackend, sampling_settings
 from components.rl.policy import SYSTEM, PolicyFormat, parse_action, state_message
 from components.simulator.synthetic import SyntheticEnvironment, record_trajectory
 
@@ -201,41 +203,57 @@ class ChatSegments:
 
 
 def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, contexts: Sequence[list[int]],
-                     max_new_tokens: int, temperature: float) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample one reply per context (left-padded batch); return its tokens up to and with the first end-of-turn,
-    and their log-probabilities under the sampling distribution (temperature applied, as the trainers score them)."""
+                     max_new_tokens: int, temperature: float,
+                     conversations: Sequence[ConversationBackend] | None = None) -> tuple[list[list[int]],
+                                                                                      list[list[float]]]:
+    """Sample one reply per context; return its tokens up to and with the first end-of-turn, and their
+    log-probabilities under the sampling distribution (temperature applied, as the trainers score them).
+
+    Without `conversations`: one left-padded batch, every context encoded whole. With one `ConversationBackend` per
+    context: one context at a time, each encoding only what its cache has not seen (the same tokens reach the model)."""
     import torch
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    keywords = dict(pad_token_id=pad, eos_token_id=eos, output_scores=True, return_dict_in_generate=True)
+    if conversations is not None:
+        replies = [_reply(conversation.extend(list(context), max_new_tokens, temperature, **keywords), len(context),
+                          0, eos) for conversation, context in zip(conversations, contexts, strict=True)]
+        return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
     width = max(len(c) for c in contexts)
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
-                                max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                                output_scores=True, return_dict_in_generate=True, **sampling_settings(temperature))
-    new = output.sequences[:, width:].tolist()
-    scores = torch.stack(output.scores, dim=1).float()  # (batch, new tokens, vocab), already temperature-scaled
-    logprobs = torch.log_softmax(scores, dim=-1)
-    tokens, token_logprobs = [], []
-    for row, ids in enumerate(new):
-        end = ids.index(eos) + 1 if eos in ids else len(ids)
-        tokens.append(ids[:end])
-        token_logprobs.append([logprobs[row, i, ids[i]].item() for i in range(end)])
-    return tokens, token_logprobs
+                                max_new_tokens=max_new_tokens, **keywords, **sampling_settings(temperature))
+    replies = [_reply(output, width, row, eos) for row in range(len(contexts))]
+    return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
+
+
+def _reply(output, width: int, row: int, eos: int) -> tuple[list[int], list[float]]:
+    """Row `row` of a generate output: the new tokens up to and with the first end-of-turn, and their log-probs."""
+    import torch
+
+    ids = output.sequences[row, width:].tolist()
+    end = ids.index(eos) + 1 if eos in ids else len(ids)
+    logprobs = torch.log_softmax(torch.stack([score[row] for score in output.scores[:end]]).float(), dim=-1) \
+        if end else None
+    return ids[:end], [logprobs[i, ids[i]].item() for i in range(end)]
 
 
 def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: EpisodeBatch, tasks: Sequence[Task],
-            fmt: PolicyFormat, *, max_turns: int, max_action_tokens: int = 24, max_tokens: int = 4096,
+            fmt: PolicyFormat, *, max_turns: int, batched: bool, max_action_tokens: int = 24, max_tokens: int = 4096,
             temperature: float = 1.0, stats: RolloutStats | None = None) -> list[Episode]:
-    """Play one episode per task (repeat a task G times for a group), all turns batched; returns them in order."""
+    """Play one episode per task (repeat a task G times for a group); returns them in order. `batched`: every
+    episode's turn in one `generate` over its whole context (pays on a GPU); else one episode at a time, each
+    carrying its key/value cache across turns (pays on a CPU: benchmarks/evaluation_speed.py)."""
     stats = stats if stats is not None else RolloutStats()
     segments = ChatSegments(tokenizer)
     started = time.monotonic()
     observations = batch.start(tasks)
     stats.env_seconds += time.monotonic() - started
     episodes = [Episode(task, segments.prompt(task, obs, fmt)) for task, obs in zip(tasks, observations, strict=True)]
+    conversations = None if batched else [ConversationBackend(model, tokenizer) for _ in episodes]
     was_training = model.training
     model.eval()
     try:
@@ -249,7 +267,7 @@ def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: E
             started = time.monotonic()
             replies, logprobs = generate_actions(
                 model, tokenizer, [episodes[i].prompt_ids + episodes[i].completion_ids for i in active],
-                max_action_tokens, temperature)
+                max_action_tokens, temperature, None if batched else [conversations[i] for i in active])
             stats.policy_seconds += time.monotonic() - started
             actions = [parse_action(tokenizer.decode(ids, skip_special_tokens=True)) for ids in replies]
             started = time.monotonic()
