@@ -33,7 +33,7 @@ from components import builders  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.llm.backends import encode_prompt, make_backend  # noqa: E402
 from components.simulator import fidelity  # noqa: E402
-from components.simulator.experience_model import PredictionStats  # noqa: E402
+from components.simulator.experience_model import REPLY_END, PredictionStats  # noqa: E402
 
 
 class Timed:
@@ -110,10 +110,9 @@ def main() -> None:
             kind, model, batch_size=settings.inference.batch_size, base_url=settings.inference.base_url,
             weight_type=weights or settings.inference.llamacpp.weight_type, threads=args.threads,
             context=settings.inference.llamacpp.context,
-            cache_dir=root / params.models.cache_dir, stop=("</done>",)))
-    backends[args.paths[0]].backend.generate([[{"role": "user", "content": "warm up"}]], 4)  # first-call costs
-    for path in args.paths[1:]:
-        backends[path].backend.generate([[{"role": "user", "content": "warm up"}]], 4)
+            cache_dir=root / params.models.cache_dir, stop=(REPLY_END,)))
+    for timed in backends.values():  # first-call costs stay out of the timings
+        timed.backend.generate([[{"role": "user", "content": "warm up"}]], 4)
 
     measured = {path: {"seconds": 0.0, "retrieval": 0.0, "generation": 0.0, "stats": PredictionStats()}
                 for path in args.paths}

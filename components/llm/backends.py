@@ -227,12 +227,13 @@ def _with_stop(text: str, choice: dict[str, Any], stop: Sequence[str]) -> str:
 class LlamaCppBackend:
     """llama.cpp in-process (CPU): the trained model exported to GGUF (`gguf_export`), no server, no Python per layer.
 
-    A 135M model under Hugging Face `generate` on a CPU is bound by per-token Python and kernel-launch overhead;
-    llama.cpp runs the same weights in one C++ graph. Prompts are encoded by the Hugging Face tokenizer exactly as
-    `HFGenerationBackend` encodes them (the same token ids reach the model), and llama.cpp keeps the key/value cache
-    of the longest prefix a prompt shares with the previous one (the system message at least). A reply ends at
-    end-of-sequence, at `max_new_tokens`, or with the token that completes a stop string (kept, as with the HF
-    backend). One sequence at a time: on a 2-core CPU batching buys nothing (benchmarks/synthetic_throughput.py).
+    llama.cpp runs the weights in one C++ graph, with int8 kernels for q8_0 (Hugging Face `generate` at batch 1 on a
+    CPU is bound by per-token Python overhead; batched, by arithmetic, as llama.cpp is). Prompts are encoded by the
+    Hugging Face tokenizer exactly as `HFGenerationBackend` encodes them (the same token ids reach the model), and
+    llama.cpp keeps the key/value cache of the longest prefix a prompt shares with the previous one (the system
+    message at least). A reply ends at end-of-sequence, at `max_new_tokens`, or with the token that completes a stop
+    string (kept, as with the HF backend). One sequence at a time: on this 2-core CPU, 8 sequences in one llama.cpp
+    batch cost about as much per token as one (benchmarks/llamacpp_batching.py).
     """
 
     def __init__(self, model_dir: str | Path, cache_dir: str | Path, weight_type: WeightType, threads: int,
@@ -249,8 +250,8 @@ class LlamaCppBackend:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         self.end_ids = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         self.stop = list(stop)
-        # The context is sized to what a prompt and its reply need, not the model's maximum: without flash attention
-        # prefill cost grows with it. Threads 0: every core.
+        # The context is sized to what a prompt and its reply need, not the model's maximum: prefill cost grew with
+        # it (measured without flash attention). Threads 0: every core.
         self.llm = Llama(model_path=str(export_gguf(model_dir, weight_type, cache_dir)), n_ctx=context,
                          flash_attn=True, n_threads=threads or os.cpu_count(), n_batch=512, verbose=False)
         weakref.finalize(self, self.llm.close)  # freed with the backend, or at exit before the bindings unload

@@ -217,8 +217,8 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     keywords = dict(pad_token_id=pad, eos_token_id=eos, output_scores=True, return_dict_in_generate=True)
     if conversations is not None:
-        replies = [_reply(conversation.extend(list(context), max_new_tokens, temperature, **keywords), len(context),
-                          0, eos) for conversation, context in zip(conversations, contexts, strict=True)]
+        replies = [_reply(conversation.extend(context, max_new_tokens, temperature, **keywords), len(context), 0, eos)
+                   for conversation, context in zip(conversations, contexts, strict=True)]
         return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
     width = max(len(c) for c in contexts)
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
