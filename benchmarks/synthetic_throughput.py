@@ -1,22 +1,26 @@
 """The experience model's cost per synthetic transition, and where it goes, backend against backend, in one run.
 
     .venv/bin/python benchmarks/synthetic_throughput.py [--params profiles/cpu.yaml] [--model DIR]
-        [--paths hf llamacpp:f32 llamacpp:q8_0] [--transitions N] [--rounds R] [--threads T]
+        [--paths hf llamacpp:f32 llamacpp:q8_0:draft10 hf@../other-checkout] [--transitions N] [--rounds R]
+        [--threads T]
 
 Every path predicts the same held-out real transitions (the ones `evaluate_experience_model` scores: the params'
-`fidelity_max_transitions`, outcomes and look-alikes first; `--transitions` overrides the count) with the same
-trained model, prompt format and inference settings, through `fidelity.model_predictor`: retrieval from the saved
-buffer, prompt building, generation, parsing, retries and fallbacks: what a synthetic step does. A path is a
-backend: `hf` (today's: Hugging Face `generate`, batched as params say) or `llamacpp:<weights>` (the same model
-exported to GGUF, run by llama.cpp). Rounds alternate the order of the paths, so a machine that slows down does not
-favour one; times are summed over rounds.
+`fidelity_max_transitions`, outcomes and look-alikes first; `--transitions` overrides the count) through
+`fidelity.model_predictor`: retrieval from the saved buffer, prompt building, generation, parsing, retries and
+fallbacks: what a synthetic step does. A path is a backend: `hf` (Hugging Face `generate`, batched as params say) or
+`llamacpp:<weights>[:draft<N>]` (the model exported to GGUF and run by llama.cpp, with prompt-lookup drafts of N
+tokens). By default every path uses the same trained model, prompt format and inference settings (`--params`,
+`--model`); `PATH@DIR` runs the backend on another checkout DIR instead: its params.yaml (prompt format, reply form,
+inference settings), its trained experience model and its buffer, so a model trained with another format is compared
+on the same transitions. Rounds alternate the order of the paths, so a machine that slows down does not favour one;
+times are summed over rounds.
 
 Printed per path: transitions per second and the ratio to the first path; per transition, prompt and reply tokens
 and where the time went: retrieval (encoder and index), prompt encoding (the same prompts generated again for one
 token, timed apart: prefill), decoding (generation minus prefill) and the rest (prompt building, chat template,
 parsing), and the prompt's tokens part by part (system message, task, retrieved examples, history, current state,
 action). Then the fidelity table of each path on the same transitions (with the state-unchanged floor), and how
-many replies equal the first path's. The model is the params' trained experience model unless `--model` names one.
+many replies equal the first path's.
 """
 from __future__ import annotations
 
@@ -51,18 +55,21 @@ class Timed:
         return replies
 
 
-PARTS = (("Task (", "task"), ("Similar transitions:", "retrieved examples"), ("Recent history", "history"),
-         ("Current state:", "current state"), ("Action:", "action"))
+PARTS = (("Task (", "task"), ("\n\nSimilar transitions:", "retrieved examples"), ("\n\nRecent history", "history"),
+         ("\n\nCurrent state:", "current state"), ("\n\nAction:", "action"))
 
 
 def prompt_parts(prompts: list, tokenizer: Any) -> str:
-    """Where a prompt's tokens go: the system message and each part `build_messages` joins into the user message."""
+    """Where a prompt's tokens go: the system message and each part `build_messages` joins into the user message
+    (found by their headers, in order: states hold blank lines of their own)."""
     totals = {"system": 0, **{name: 0 for _, name in PARTS}}
     for messages in prompts:
         totals["system"] += len(tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"])
-        for part in messages[1]["content"].split("\n\n"):
-            name = next((name for prefix, name in PARTS if part.startswith(prefix)), "current state")
-            totals[name] += len(tokenizer(part, add_special_tokens=False)["input_ids"])
+        user = messages[1]["content"]
+        starts = [(user.rfind(header) if name == "action" else user.find(header), name) for header, name in PARTS]
+        starts = sorted((start, name) for start, name in starts if start >= 0)
+        for (start, name), (end, _) in zip(starts, starts[1:] + [(len(user), "")]):
+            totals[name] += len(tokenizer(user[start:end], add_special_tokens=False)["input_ids"])
     return ", ".join(f"{name} {count / max(len(prompts), 1):.0f}" for name, count in totals.items())
 
 
@@ -80,39 +87,46 @@ def main() -> None:
 
     root = Path(".")
     params = load_params(args.params)
-    settings = params.experience_model
-    model = args.model or str(root / settings.out_dir / "model")
     heldout = fidelity.heldout_transitions(builders.experience_trajectories(params, root),
                                            params.data.heldout_task_fraction)
-    heldout = fidelity.outcomes_first_sample(heldout, args.transitions or settings.fidelity_max_transitions)
-    buffer = builders.saved_buffer(params, root)
-    fmt, inference = builders.prompt_format(params), builders.inference_settings(params)
-    print(f"experience model: {model}; {len(heldout)} held-out transitions; reasoning {fmt.use_reasoning}, "
-          f"retrieval top {fmt.top_k}, history {fmt.history_length}; max_new_tokens {inference.max_new_tokens}, "
-          f"temperature {inference.temperature}, retries {inference.retries}", flush=True)
-
-    retrieval = {"seconds": 0.0}
-    retrieve = buffer.retrieve_examples
+    heldout = fidelity.outcomes_first_sample(heldout, args.transitions or params.experience_model.fidelity_max_transitions)
     first = heldout[0]
-    retrieve([(first.task.environment, first.state, first.action, first.trajectory_id)], fmt.top_k)  # loads the encoder
-
-    def timed_retrieve(*a: Any, **k: Any) -> Any:
-        started = time.perf_counter()
-        found = retrieve(*a, **k)
-        retrieval["seconds"] += time.perf_counter() - started
-        return found
-
-    buffer.retrieve_examples = timed_retrieve
-    backends: dict[str, Timed] = {}
+    retrieval = {"seconds": 0.0}
+    setups: dict[str, dict[str, Any]] = {}  # per path: backend, format, inference settings, buffer
     for path in args.paths:
-        kind, _, weights = path.partition(":")
-        backends[path] = Timed(make_backend(
+        backend_spec, _, checkout = path.partition("@")
+        where = Path(checkout) if checkout else root
+        path_params = load_params(where / "params.yaml") if checkout else params
+        settings = path_params.experience_model
+        model = str(where / settings.out_dir / "model") if checkout or not args.model else args.model
+        buffer = builders.saved_buffer(path_params, where)
+        retrieve = buffer.retrieve_examples
+        retrieve([(first.task.environment, first.state, first.action, first.trajectory_id)], 1)  # loads the encoder
+
+        def timed_retrieve(*a: Any, retrieve: Any = retrieve, **k: Any) -> Any:
+            started = time.perf_counter()
+            found = retrieve(*a, **k)
+            retrieval["seconds"] += time.perf_counter() - started
+            return found
+
+        buffer.retrieve_examples = timed_retrieve
+        kind, _, options = backend_spec.partition(":")
+        weights, _, draft = options.partition(":")
+        backend = Timed(make_backend(
             kind, model, batch_size=settings.inference.batch_size, base_url=settings.inference.base_url,
             weight_type=weights or settings.inference.llamacpp.weight_type, threads=args.threads,
             context=settings.inference.llamacpp.context,
+            draft_tokens=int(draft.removeprefix("draft")) if draft else settings.inference.llamacpp.draft_tokens,
             cache_dir=root / params.models.cache_dir, stop=(REPLY_END,)))
-    for timed in backends.values():  # first-call costs stay out of the timings
-        timed.backend.generate([[{"role": "user", "content": "warm up"}]], 4)
+        backend.backend.generate([[{"role": "user", "content": "warm up"}]], 4)  # first-call costs stay out
+        fmt, inference = builders.prompt_format(path_params), builders.inference_settings(path_params)
+        setups[path] = {"backend": backend, "fmt": fmt, "inference": inference, "buffer": buffer}
+        print(f"{path}: experience model {model}; reply {fmt.reply}, trimmed context {fmt.trim_context}, reasoning "
+              f"{fmt.use_reasoning}, retrieval top {fmt.top_k}, history {fmt.history_length}; max_new_tokens "
+              f"{inference.max_new_tokens}, temperature {inference.temperature}, retries {inference.retries}",
+              flush=True)
+    print(f"{len(heldout)} held-out transitions", flush=True)
+    backends = {path: setup["backend"] for path, setup in setups.items()}
 
     measured = {path: {"seconds": 0.0, "retrieval": 0.0, "generation": 0.0, "stats": PredictionStats()}
                 for path in args.paths}
@@ -122,7 +136,9 @@ def main() -> None:
             timed, row = backends[path], measured[path]
             timed.prompts, timed.replies, timed.seconds, retrieval["seconds"] = [], [], 0.0, 0.0
             started = time.perf_counter()
-            predictions[path] = fidelity.model_predictor(timed, fmt, inference, buffer, row["stats"])(heldout)
+            setup = setups[path]
+            predictions[path] = fidelity.model_predictor(timed, setup["fmt"], setup["inference"], setup["buffer"],
+                                                         row["stats"])(heldout)
             row["seconds"] += time.perf_counter() - started
             row["retrieval"] += retrieval["seconds"]
             row["generation"] += timed.seconds
@@ -155,7 +171,9 @@ def main() -> None:
     print(table(["path", "transitions/s", "s per transition", "speed vs first", "prompt tok", "reply tok",
                  "retrieval ms", "prompt encoding s", "decoding s", "ms per reply token", "rest ms",
                  "fell back"], rows))
-    print("\nprompt tokens per part (mean per generation): " + prompt_parts(backends[args.paths[0]].prompts, tokenizer))
+    print("\nprompt tokens per part (mean per generation):")
+    for path in args.paths:
+        print(f"  {path}: " + prompt_parts(backends[path].prompts, tokenizer))
     same = {path: sum(a == b for a, b in zip(backends[path].replies, backends[args.paths[0]].replies))
             for path in args.paths}
     print("\nreplies identical to the first path's (last round): "

@@ -115,7 +115,7 @@ def generation_backend(params: Params, root: Path, model: str, stop: tuple[str, 
     return backends.make_backend(inference.backend, model, batch_size=inference.batch_size,
                                  base_url=inference.base_url, weight_type=inference.llamacpp.weight_type,
                                  threads=inference.llamacpp.threads, context=inference.llamacpp.context,
-                                 cache_dir=root / params.models.cache_dir,
+                                 draft_tokens=inference.llamacpp.draft_tokens, cache_dir=root / params.models.cache_dir,
                                  stop=stop)
 
 

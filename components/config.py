@@ -154,6 +154,8 @@ class TeacherParams(Section):
 
 class AnnotateParams(Section):
     teacher: TeacherParams | None = Field(description="null: deterministic traces derived from the data")
+    describe_changes: bool = Field(description="the deterministic trace quotes what changed (false: for an experience "
+                                   "model whose reply states the changes itself, experience_model.prompt.reply)")
     out_dir: str
 
 
@@ -167,6 +169,9 @@ class PromptParams(Section):
     max_state_chars: int = Field(gt=0)
     history_state_chars: int = Field(gt=0)
     example_state_chars: int = Field(gt=0)
+    reply: Literal["next_state", "changes"] = Field(
+        description="next_state: the reply restates the whole next state; changes: only its changed sections")
+    trim_context: bool = Field(description="history and example states start at their first changed section")
 
 
 class LoraParams(Section):
@@ -202,6 +207,8 @@ class LlamaCppParams(Section):
     weight_type: Literal["f32", "f16", "q8_0"] = Field(description="the GGUF export's weights (norms stay f32)")
     threads: int = Field(ge=0, description="CPU threads (0: every core)")
     context: int = Field(gt=0, description="tokens a prompt and its reply may hold together")
+    draft_tokens: int = Field(ge=0, description="prompt-lookup drafts: up to this many tokens copied from the prompt "
+                              "are checked in one pass (0: off); greedy replies stay the same")
 
 
 class InferenceParams(Section):

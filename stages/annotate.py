@@ -19,7 +19,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     teacher = annotation.make_teacher(annotation.TeacherSpec(**spec.model_dump()) if spec else None,
                                       root / params.models.cache_dir)
     # Outside annotate.out_dir: the kept replies are a resume cache, not a versioned output.
-    records = annotation.annotate(trajectories, teacher, replies_path=root / ".cache" / "annotate" / "replies.jsonl")
+    records = annotation.annotate(trajectories, teacher, replies_path=root / ".cache" / "annotate" / "replies.jsonl",
+                                  describe_changes=params.annotate.describe_changes)
     metrics = annotation.annotation_summary(records, teacher.name if teacher else None)
     if teacher is not None and records and metrics["teacher_fallbacks"] == len(records):
         # A teacher that never answered (an endpoint down, a wrong model) is a broken run, not deterministic

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components.data.contract import Step, Task, Trajectory, transitions
+from components.data.contract import Step, Task, TaskRef, Trajectory, Transition, transitions
 from components.llm.backends import (
     BackendError,
     HFGenerationBackend,
@@ -102,6 +102,10 @@ def test_trace_names_action_changes_progress_and_reward():
     assert "Gone: 'You open the fridge, revealing a red potato.'" in trace
     assert "score rose from 0 to 1 of 2" in trace
     assert "Reward 0" in trace and "goes on" in trace
+    # without the changes (a reply that states them itself), the rest is the same
+    brief = deterministic_trace(_trajectory().steps[1], previous_info={"score": 0}, describe_changes=False)
+    assert not any(word in brief for word in ("Changed:", "New:", "Gone:", "went from"))
+    assert brief.split(" Progress")[0] in trace and brief.endswith(trace[trace.index("Progress"):])
 
 
 def test_trace_explains_success_and_failure_endings():
@@ -227,6 +231,35 @@ def test_target_round_trips_through_the_parser(reasoning):
     assert (parsed.next_state, parsed.reward, parsed.done, parsed.reasoning) == (state, 0.5, True, reasoning)
     # What a model tends to add around an answer: a trailing end-of-turn or extra text after </done>.
     assert parse_prediction(format_target(state, -1.0, False, reasoning) + "<|im_end|>\nmore") is not None
+
+
+def test_changes_target_round_trips_through_the_parser_with_the_state():
+    target = format_target(TAKEN, 0.0, False, "Taking it.", changes_from=OPEN)
+    assert "<changes>" in target and "Observation:" in target and "fridge, revealing" not in target
+    parsed = parse_prediction(target, OPEN)
+    assert (parsed.next_state, parsed.reward, parsed.done, parsed.reasoning) == (TAKEN, 0.0, False, "Taking it.")
+    assert parse_prediction(target) is None  # changes apply to a state
+    unchanged = parse_prediction("<changes>\n\n</changes>\n<reward>0</reward>\n<done>false</done>", OPEN)
+    assert unchanged.next_state == OPEN
+    # a next state the changed sections cannot rebuild (a repeated label) is written in full
+    odd = "Observation:\nx\nObservation:\ny"
+    assert "<next_state>" in format_target(odd, 0.0, False, changes_from=OPEN)
+    assert parse_prediction(format_target(odd, 0.0, False, changes_from=OPEN), OPEN).next_state == odd
+
+
+def test_changes_format_prompts_show_examples_and_history_by_what_changed():
+    recipe = "Recipe:\nIngredients:\nred potato\n"
+    example = Retrieved(Transition("tw-9-expert", 0, TaskRef("tw-9", "textworld-cooking"), recipe + KITCHEN,
+                                   "open fridge", recipe + OPEN, 0.0, False, "expert"), "real", 0.9)
+    query = ExperienceQuery(TASK, recipe + OPEN, "take red potato from fridge", ((recipe + KITCHEN, "open fridge"),),
+                            (example,))
+    user = build_messages(query, fmt(reply="changes", trim_context=True, history_length=1, top_k=1))[1]["content"]
+    examples, rest = user.split("Recent history")
+    assert "Changes: Observation:\nYou open the fridge" in examples and "Next state" not in examples
+    assert examples.count("red potato\n") == 0 and "State: Observation:\nYou are in a kitchen" in examples
+    assert "State: Observation:\nYou are in a kitchen" in rest.split("Current state")[0]
+    system = build_messages(query, fmt(reply="changes"))[0]["content"]
+    assert "<changes>" in system and "<next_state>" not in system
 
 
 @pytest.mark.parametrize("reply", [
@@ -439,6 +472,8 @@ def test_llamacpp_backend_replies_like_the_hf_backend(tiny: Path, tmp_path: Path
     hf = HFGenerationBackend(model, tokenizer, batch_size=1).generate(prompts, max_new_tokens=10)
     llama = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024)
     assert llama.generate(prompts, max_new_tokens=10) == hf  # same token ids in, greedy, f32 weights
+    drafted = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, draft_tokens=8)
+    assert drafted.generate(prompts, max_new_tokens=10) == hf  # prompt-lookup drafts keep greedy replies
     stop = next(text for text in tokenizer.batch_decode(tokenizer(hf[0])["input_ids"][:3]) if text.strip())
     [stopped] = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, stop=[stop]).generate(prompts[:1], 10)
     assert stopped.endswith(stop) and hf[0].startswith(stopped) and len(stopped) < len(hf[0])

@@ -234,14 +234,21 @@ class LlamaCppBackend:
     message at least). A reply ends at end-of-sequence, at `max_new_tokens`, or with the token that completes a stop
     string (kept, as with the HF backend). One sequence at a time: on this 2-core CPU, 8 sequences in one llama.cpp
     batch cost about as much per token as one (benchmarks/llamacpp_batching.py).
+
+    `draft_tokens` > 0 turns on prompt-lookup decoding: after each token, up to that many tokens that followed the
+    same bigram earlier in the prompt or reply are checked in one forward pass and kept while they match the greedy
+    choice. A reply copies much of its prompt (the next state repeats the state), and on a CPU checking k tokens at
+    once costs about what prompt encoding does per token, far less than k decoding steps. Greedy replies are
+    unchanged; llama.cpp then keeps logits for every position (context x vocabulary floats).
     """
 
     def __init__(self, model_dir: str | Path, cache_dir: str | Path, weight_type: WeightType, threads: int,
-                 context: int, stop: Sequence[str] = ()) -> None:
+                 context: int, draft_tokens: int = 0, stop: Sequence[str] = ()) -> None:
         from transformers import AutoTokenizer, GenerationConfig
 
         try:
             from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError as error:
             raise ImportError("the 'llamacpp' backend needs llama-cpp-python (installed by `make setup`)") from error
         from components.llm.gguf_export import export_gguf
@@ -253,7 +260,11 @@ class LlamaCppBackend:
         # The context is sized to what a prompt and its reply need, not the model's maximum: prefill cost grew with
         # it (measured without flash attention). Threads 0: every core.
         self.llm = Llama(model_path=str(export_gguf(model_dir, weight_type, cache_dir)), n_ctx=context,
-                         flash_attn=True, n_threads=threads or os.cpu_count(), n_batch=512, verbose=False)
+                         flash_attn=True, n_threads=threads or os.cpu_count(), n_batch=512, verbose=False,
+                         # logits_all: drafts are checked against every position's logits (llama-cpp-python
+                         # 0.3.36 sizes its logits buffer by this argument, not by the draft model)
+                         logits_all=bool(draft_tokens),
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None)
         weakref.finalize(self, self.llm.close)  # freed with the backend, or at exit before the bindings unload
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
@@ -327,19 +338,20 @@ def make_backend(
     threads: int,
     context: int,
     cache_dir: str | Path,
+    draft_tokens: int = 0,
     stop: Sequence[str] = (),
 ) -> GenerationBackend:
     """The backend params.yaml names (`builders.generation_backend` maps it): `model` is a trained model directory
     (hf, llamacpp, vllm) or the served name (openai). `stop`: strings that end a reply (e.g. the closing tag of the
-    expected format), kept in the reply. weight_type, threads, context (prompt and reply tokens) and cache_dir (where
-    GGUF exports go) are llamacpp's."""
+    expected format), kept in the reply. weight_type, threads, context (prompt and reply tokens), draft_tokens and
+    cache_dir (where GGUF exports go) are llamacpp's."""
     if kind == "hf":
         from components.llm.sft import load_trained_model
 
         lm, tokenizer = load_trained_model(model)
         return HFGenerationBackend(lm, tokenizer, batch_size=batch_size, stop=stop)
     if kind == "llamacpp":
-        return LlamaCppBackend(model, cache_dir, weight_type, threads, context, stop=stop)
+        return LlamaCppBackend(model, cache_dir, weight_type, threads, context, draft_tokens, stop=stop)
     if kind == "vllm":
         return VLLMBackend(model, stop=stop)
     if kind == "openai":

@@ -99,8 +99,12 @@ class StepLike(Protocol):
     done: bool
 
 
-def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None = None) -> str:
+def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None = None,
+                        describe_changes: bool = True) -> str:
     """Explain a transition from the data alone, in a few short sentences.
+
+    `describe_changes` off leaves out what changed, appeared and disappeared: for an experience model whose reply
+    states the changed sections itself (`experience_model.prompt.reply: changes`), they would be written twice.
 
     `step.info` (when the object has one) supplies `valid_action`, `score`/`max_score`, `won`/`lost`/`success`,
     `truncated`, `timeout`; `previous_info` is the info of the step before, which turns a score into a change
@@ -108,7 +112,8 @@ def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None 
     """
     info: Mapping[str, Any] = getattr(step, "info", None) or {}
     sentences = [_action_sentence(step.action, step.state), _validity_sentence(step, info)]
-    sentences += _change_sentences(step.state, step.next_state)
+    if describe_changes:
+        sentences += _change_sentences(step.state, step.next_state)
     sentences.append(_progress_sentence(info, previous_info))
     sentences.append(_outcome_sentence(step.reward, step.done, info))
     return " ".join(s for s in sentences if s)
@@ -300,7 +305,7 @@ def _clean_teacher_trace(text: str | None) -> str | None:
     """One paragraph, bounded, with no markup that could collide with the experience model's target tags."""
     if not text:
         return None
-    text = re.sub(r"</?\s*(reasoning|next_state|reward|done)\s*>", " ", text, flags=re.IGNORECASE)
+    text = re.sub(r"</?\s*(reasoning|next_state|changes|reward|done)\s*>", " ", text, flags=re.IGNORECASE)
     text = " ".join(text.split())
     if text.lower().startswith("reasoning:"):
         text = text[len("reasoning:"):].strip()
@@ -313,12 +318,13 @@ def _clean_teacher_trace(text: str | None) -> str | None:
 # ---- annotate, read, write ------------------------------------------------------------------------------------
 
 
-def iter_steps(trajectories: Iterable[Trajectory]) -> Iterator[AnnotatedTransition]:
+def iter_steps(trajectories: Iterable[Trajectory], describe_changes: bool = True) -> Iterator[AnnotatedTransition]:
     """Every step as an AnnotatedTransition with its deterministic trace (the final trace, or a teacher's facts)."""
     for trajectory in trajectories:
         previous_info: Mapping[str, Any] | None = None
         for transition in transitions(trajectory, history_length=0):
-            yield AnnotatedTransition.of(transition, deterministic_trace(transition, previous_info), DETERMINISTIC)
+            trace = deterministic_trace(transition, previous_info, describe_changes)
+            yield AnnotatedTransition.of(transition, trace, DETERMINISTIC)
             previous_info = transition.info
 
 
@@ -327,6 +333,7 @@ def annotate(
     teacher: Teacher | None = None,
     batch_size: int = 16,
     replies_path: str | Path | None = None,
+    describe_changes: bool = True,
 ) -> list[AnnotatedTransition]:
     """Annotate every step of every trajectory, in input order.
 
@@ -338,7 +345,7 @@ def annotate(
     rerun annotation asks the teacher only what it has not answered yet (greedy replies are reproducible). Failed
     replies are not kept: a rerun asks again.
     """
-    records = list(iter_steps(trajectories))
+    records = list(iter_steps(trajectories, describe_changes))
     if teacher is None:
         return records
     kept = _read_replies(replies_path)

@@ -22,7 +22,9 @@ Target (the assistant reply), strict and parseable:
     <reward>0</reward>
     <done>false</done>
 
-With use_reasoning off the reasoning section is absent. Reasoning comes first so the next state is generated
+With `reply: changes` the next state is written as the sections it changed (`<changes>`, see `state_changes`),
+in full where those cannot rebuild it exactly; with `trim_context` the history and example states start at their
+first changed section. With use_reasoning off the reasoning section is absent. Reasoning comes first so the next state is generated
 conditioned on it: that is the paper's joint objective, and the loss covers the whole reply (prompt tokens masked).
 `format_target` and `parse_prediction` are exact inverses (a state round-trips byte for byte).
 
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from components.data.contract import Task, is_lookalike, is_outcome, rewarded_commands
 from components.llm.backends import BackendError, GenerationBackend, Message
+from components.simulator import state_changes
 from components.simulator.annotation import AnnotatedTransition
 from components.simulator.replay_buffer import ReplayBuffer, Retrieved
 
@@ -70,6 +73,8 @@ class PromptFormat:
     max_state_chars: int  # the current state (and the target's next state is never cut)
     history_state_chars: int  # each history state: history is mostly context for the actions
     example_state_chars: int  # each retrieved example's state and next state
+    reply: str  # "next_state": the reply restates the whole next state; "changes": only its changed sections
+    trim_context: bool  # history and example states start at their first changed section (state_changes)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,9 @@ class ExperienceQuery:
 
 
 def system_message(fmt: PromptFormat) -> str:
-    reply = "<next_state>\nthe full next state\n</next_state>\n<reward>a number</reward>\n<done>true or false</done>"
+    outcome = ("<changes>\nonly the sections of the state that change, each from its header line\n</changes>"
+               if fmt.reply == "changes" else "<next_state>\nthe full next state\n</next_state>")
+    reply = f"{outcome}\n<reward>a number</reward>\n<done>true or false</done>"
     if fmt.use_reasoning:
         reply = "<reasoning>\nwhy the action leads to the next state and the reward\n</reasoning>\n" + reply
     return (
@@ -114,11 +121,14 @@ def build_messages(query: ExperienceQuery, fmt: PromptFormat) -> list[Message]:
     if examples:
         lines = ["Similar transitions:"]
         for number, ex in enumerate(examples, 1):
+            shown = state_changes.from_first_change(ex.state, ex.next_state) if fmt.trim_context else ex.state
+            step = state_changes.changes(ex.state, ex.next_state) if fmt.reply == "changes" else None
             lines += [
                 f"Example {number}",
-                f"State: {clip(ex.state, fmt.example_state_chars)}",
+                f"State: {clip(shown, fmt.example_state_chars)}",
                 f"Action: {ex.action}",
-                f"Next state: {clip(ex.next_state, fmt.example_state_chars)}",
+                f"Changes: {clip(step, fmt.example_state_chars)}" if step is not None
+                else f"Next state: {clip(ex.next_state, fmt.example_state_chars)}",
                 f"Reward: {format_reward(ex.reward)}, done: {format_done(ex.done)}",
             ]
         parts.append("\n".join(lines))
@@ -126,7 +136,8 @@ def build_messages(query: ExperienceQuery, fmt: PromptFormat) -> list[Message]:
     if history:
         lines = ["Recent history (oldest first):"]
         for state, action in history:
-            lines += [f"State: {clip(state, fmt.history_state_chars)}", f"Action: {action}"]
+            shown = state_changes.from_first_change(state, query.state) if fmt.trim_context else state
+            lines += [f"State: {clip(shown, fmt.history_state_chars)}", f"Action: {action}"]
         parts.append("\n".join(lines))
     else:
         parts.append("Recent history: none, this is the first step.")
@@ -153,15 +164,19 @@ def format_done(done: bool) -> str:
     return "true" if done else "false"
 
 
-def format_target(next_state: str, reward: float, done: bool, reasoning: str | None = None) -> str:
-    target = ""
-    if reasoning is not None:
-        target += f"<reasoning>\n{reasoning.strip()}\n</reasoning>\n"
-    return target + (
-        f"<next_state>\n{next_state}\n</next_state>\n"
-        f"<reward>{format_reward(reward)}</reward>\n"
-        f"<done>{format_done(done)}</done>"
-    )
+def format_target(next_state: str, reward: float, done: bool, reasoning: str | None = None, *,
+                  changes_from: str | None = None) -> str:
+    """The reply for a transition. With `changes_from` (the current state) the next state is written as its changed
+    sections (`<changes>`) wherever `state_changes.changes` can rebuild it exactly, else in full (`<next_state>`)."""
+    head = f"<reasoning>\n{reasoning.strip()}\n</reasoning>\n" if reasoning is not None else ""
+    tail = f"<reward>{format_reward(reward)}</reward>\n<done>{format_done(done)}</done>"
+    step = state_changes.changes(changes_from, next_state) if changes_from is not None else None
+    if step is not None:
+        target = f"{head}<changes>\n{step}\n</changes>\n{tail}"
+        parsed = parse_prediction(target, changes_from)
+        if parsed is not None and parsed.next_state == next_state:
+            return target
+    return f"{head}<next_state>\n{next_state}\n</next_state>\n{tail}"
 
 
 @dataclass(frozen=True)
@@ -176,25 +191,32 @@ class Prediction:
 
 REPLY_END = "</done>"  # the last tag of a reply: generation can stop there (`make_backend(..., stop=(REPLY_END,))`)
 # The whole reply up to the first </done>; anything after it is ignored (a model may run on before it stops).
-# Non-greedy next_state with optional newlines around it: the exact inverse of format_target.
+# Non-greedy next_state (or changes) with optional newlines around it: the exact inverse of format_target.
 _TARGET = re.compile(
     r"\s*(?:<reasoning>(?P<reasoning>.*?)</reasoning>\s*)?"
-    r"<next_state>\n?(?P<next_state>.*?)\n?</next_state>\s*"
+    r"(?:<next_state>\n?(?P<next_state>.*?)\n?</next_state>|<changes>\n?(?P<changes>.*?)\n?</changes>)\s*"
     r"<reward>(?P<reward>[^<]*)</reward>\s*"
     r"<done>(?P<done>[^<]*)</done>",
     re.DOTALL,
 )
 
 
-def parse_prediction(text: str) -> Prediction | None:
-    """The prediction in a reply, or None if the reply breaks the format in any way (never raises)."""
+def parse_prediction(text: str, state: str | None = None) -> Prediction | None:
+    """The prediction in a reply, or None if the reply breaks the format in any way (never raises). A `<changes>`
+    reply needs the current `state` it applies to."""
     if not isinstance(text, str):
         return None
     end = text.find(REPLY_END)
     if end < 0:
         return None
     match = _TARGET.fullmatch(text[: end + len(REPLY_END)])
-    if match is None or not match["next_state"].strip():
+    if match is None:
+        return None
+    if match["changes"] is not None:
+        next_state = state_changes.apply_changes(state, match["changes"]) if state is not None else None
+    else:
+        next_state = match["next_state"]
+    if next_state is None or not next_state.strip():
         return None
     try:
         reward = float(match["reward"].strip())
@@ -206,7 +228,7 @@ def parse_prediction(text: str) -> Prediction | None:
     if done not in ("true", "false"):
         return None
     reasoning = match["reasoning"].strip() if match["reasoning"] is not None else None
-    return Prediction(match["next_state"], reward, done == "true", reasoning)
+    return Prediction(next_state, reward, done == "true", reasoning)
 
 
 # ---- SFT data -------------------------------------------------------------------------------------------------
@@ -254,7 +276,8 @@ def sft_examples(
         history = [(s.state, s.action) for s in earlier][-fmt.history_length:] if fmt.history_length > 0 else []
         query = ExperienceQuery(record.task, record.state, record.action, tuple(history), tuple(found))
         target = format_target(record.next_state, record.reward, record.done,
-                               record.reasoning if fmt.use_reasoning else None)
+                               record.reasoning if fmt.use_reasoning else None,
+                               changes_from=record.state if fmt.reply == "changes" else None)
         row = {
             "prompt": build_messages(query, fmt),
             "completion": [{"role": "assistant", "content": target}],
@@ -410,7 +433,7 @@ def predict(
             continue
         still = []
         for i, reply in zip(pending, replies, strict=True):
-            parsed = parse_prediction(reply)
+            parsed = parse_prediction(reply, queries[i].state)
             if parsed is not None and settings.reward_range is not None and not (
                     settings.reward_range[0] <= parsed.reward <= settings.reward_range[1]):
                 stats.reward_out_of_range += 1

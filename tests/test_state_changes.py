@@ -1,0 +1,52 @@
+"""components/simulator/state_changes.py: sections, the changed-sections form, and its exact inverse."""
+from __future__ import annotations
+
+import pytest
+
+from components.simulator.state_changes import apply_changes, changes, from_first_change, sections
+
+RECIPE = "Recipe:\nIngredients:\nred potato\n\nDirections:\nslice the red potato\nprepare meal"
+BEFORE = f"{RECIPE}\nObservation:\nYou take the knife.\nInventory: You are carrying: a knife."
+AFTER = f"{RECIPE}\nObservation:\nYou slice the red potato.\n\nYour score has just gone up.\nInventory: You are carrying: " \
+        "a knife and a sliced red potato."
+PAGE = 'Task: Log in.\n[1] input_text#user value=""\n[2] button "Submit"'
+
+
+def test_sections_split_at_headers_and_refuse_repeated_labels():
+    assert [label for label, _ in sections(BEFORE)] == ["Recipe:", "Ingredients:", "Directions:", "Observation:",
+                                                         "Inventory:"]
+    assert [label for label, _ in sections("a preamble\n" + PAGE)] == ["", "Task:", "[1]", "[2]"]
+    assert sections("Ingredients:\nx\nIngredients:\ny") is None
+    assert len(sections("Ingredients:\nx\nIngredients:\ny", unique=False)) == 2
+
+
+def test_a_textworld_step_is_its_observation_and_inventory():
+    step = changes(BEFORE, AFTER)
+    assert step == AFTER[AFTER.index("Observation:"):]  # the recipe, unchanged, is left out
+    assert apply_changes(BEFORE, step) == AFTER
+
+
+@pytest.mark.parametrize("after", [
+    PAGE.replace('value=""', 'value="ann" focused'),  # a section changes in place
+    PAGE + '\n[3] div "Welcome"',  # a new section at the end
+    PAGE.replace('\n[2] button "Submit"', ""),  # a section goes away
+    PAGE,  # nothing changes
+])
+def test_changes_rebuild_the_next_state_byte_for_byte(after):
+    step = changes(PAGE, after)
+    assert step is not None and apply_changes(PAGE, step) == after
+    if after == PAGE:
+        assert step == ""
+
+
+def test_no_changed_form_when_it_cannot_rebuild_the_next_state():
+    assert changes(PAGE, 'Task: Log in.\n[3] div "New"\n[1] input_text#user value=""\n[2] button "Submit"') is None
+    assert changes(BEFORE, AFTER.replace("Observation:\n", "Observation:\nIngredients:\n")) is None  # repeated label
+    assert apply_changes("Ingredients:\nx\nIngredients:\ny", "Observation:\nz") is None
+
+
+def test_context_states_start_at_their_first_changed_section():
+    assert from_first_change(BEFORE, AFTER) == BEFORE[BEFORE.index("Observation:"):]
+    assert from_first_change(BEFORE, BEFORE) == BEFORE  # nothing differs: the whole state
+    cookbook = AFTER.replace("Observation:\n", "Observation:\nRecipe #1\nIngredients:\nred potato\n")
+    assert from_first_change(BEFORE, cookbook) == BEFORE[BEFORE.index("Observation:"):]  # repeated labels are fine
