@@ -89,7 +89,8 @@ def main() -> None:
     params = load_params(args.params)
     heldout = fidelity.heldout_transitions(builders.experience_trajectories(params, root),
                                            params.data.heldout_task_fraction)
-    heldout = fidelity.outcomes_first_sample(heldout, args.transitions or params.experience_model.fidelity_max_transitions)
+    heldout = fidelity.outcomes_first_sample(heldout,
+                                             args.transitions or params.experience_model.fidelity_max_transitions)
     first = heldout[0]
     retrieval = {"seconds": 0.0}
     setups: dict[str, dict[str, Any]] = {}  # per path: backend, format, inference settings, buffer

@@ -238,6 +238,9 @@ class ExperienceModelParams(Section):
         ge=0, le=1, description="share of backend calls that may raise before a stage using the experience model fails")
     fidelity_max_transitions: int = Field(
         ge=0, description="held-out transitions scored per environment (0: all); rewarded and terminal ones first")
+    on_policy_games: int = Field(
+        ge=0, description="held-out evaluation games the warm-start policy plays per environment, whose real "
+                          "transitions the experience model is also scored on (0: none); they only measure")
 
 
 class PolicyPromptParams(Section):

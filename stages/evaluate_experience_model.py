@@ -1,18 +1,31 @@
 """evaluate_experience_model: fidelity on held-out real transitions, the experience model against
-copy-nearest-neighbour and no-change."""
+copy-nearest-neighbour and no-change: on the seed's held-out tasks, and on the warm-start policy's own play of
+held-out evaluation games (the states a policy reaches; they only measure)."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
-from components.builders import experience_predictor, experience_trajectories, fallback_budget, saved_buffer
+from components.builders import (
+    experience_predictor,
+    experience_trajectories,
+    fallback_budget,
+    policy_format,
+    saved_buffer,
+)
 from components.config import Params
-from components.data.contract import write_records
+from components.data.contract import Transition, transitions, write_records
+from components.envs.registry import has_adapter, real_environment
+from components.llm import sft
 from components.reports import write_stage_outputs
+from components.results.evaluation import evaluate_policy
+from components.rl import policy
 from components.simulator import experience_model as em
 from components.simulator import fidelity
 
 PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # each prediction beside its gold transition
+ON_POLICY_FILE = "reports/evaluate_experience_model_on_policy.jsonl"  # the same, on the warm start's held-out play
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -23,31 +36,97 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         heldout = fidelity.outcomes_first_sample(heldout, settings.fidelity_max_transitions)
     buffer = saved_buffer(params, root)
     stats = em.PredictionStats()
+    results = score(params, root, buffer, heldout, stats, root / PREDICTIONS_FILE)
+    metrics: dict[str, Any] = {"transitions": len(heldout), "prediction": stats.as_dict(), **results}
+    played, games = on_policy_transitions(params, root)
+    random.Random(params.seed).shuffle(played)  # the sample's ordinary steps spread over every game, not the first
+    on_policy = fidelity.outcomes_first_sample(played, settings.fidelity_max_transitions) \
+        if settings.fidelity_max_transitions else played
+    if on_policy:
+        on_policy_stats = em.PredictionStats()
+        results = score(params, root, buffer, on_policy, on_policy_stats, root / ON_POLICY_FILE)
+        metrics["on_policy"] = {"games": games, "transitions_played": len(played), "transitions": len(on_policy),
+                                "prediction": on_policy_stats.as_dict(), **results}
+        stats = merged(stats, on_policy_stats)
+    fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
+                                         f"{PREDICTIONS_FILE}, {ON_POLICY_FILE})", settings.inference.max_new_tokens)
+    write_stage_outputs("evaluate_experience_model", metrics, report(params, metrics, stats), root)
+    return metrics
+
+
+def score(params: Params, root: Path, buffer: Any, heldout: list[Transition], stats: em.PredictionStats,
+          predictions_file: Path) -> dict[str, Any]:
+    """The fidelity table of the experience model and the two baselines on `heldout`; each prediction is written
+    beside its gold transition to `predictions_file`, to read where the model goes wrong."""
     predictions = experience_predictor(params, root, buffer, stats)(heldout)
     predictors = {
         "experience model": lambda _: predictions,
         "copy nearest neighbour": fidelity.copy_nearest_neighbour(buffer),
         "state unchanged": fidelity.state_unchanged,
     }
-    results = fidelity.evaluate(predictors, heldout, encoder=buffer.encoder)
-    # each prediction beside its gold transition, to read where the model goes wrong
     write_records(({"trajectory_id": t.trajectory_id, "step_index": t.step_index, "action": t.action,
-                    "next_state": t.next_state, "reward": t.reward, "done": t.done,
+                    "next_state": t.next_state, "reward": t.reward, "done": t.done, "info": t.info,
                     "predicted": {"next_state": p.next_state, "reward": p.reward, "done": p.done,
                                   "reasoning": p.reasoning, "fallback": p.fallback}}
-                   for t, p in zip(heldout, predictions, strict=True)), root / PREDICTIONS_FILE)
-    fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
-                                         f"{PREDICTIONS_FILE})", settings.inference.max_new_tokens)
-    metrics = {"transitions": len(heldout), "prediction": stats.as_dict(), **results}
-    write_stage_outputs("evaluate_experience_model", metrics, report(params, results, len(heldout), stats), root)
-    return metrics
+                   for t, p in zip(heldout, predictions, strict=True)), predictions_file)
+    return fidelity.evaluate(predictors, heldout, encoder=buffer.encoder)
 
 
-def report(params: Params, results: dict[str, Any], transitions: int, stats: em.PredictionStats) -> str:
+def on_policy_transitions(params: Params, root: Path) -> tuple[list[Transition], int]:
+    """The warm start's greedy play of the first `on_policy_games` held-out evaluation games of each environment
+    the experience model simulates and an adapter plays: (every real transition, games played). These games are
+    the evaluation's held-out split: they measure, and nothing here adds them to any training data or buffer."""
+    games = params.experience_model.on_policy_games
+    model_dir = root / params.policy.sft.out_dir / "model"
+    names = [name for name in params.experience_model.environments if has_adapter(name)]
+    if not games or not names or not sft.has_trained_model(model_dir):
+        return [], 0
+    model, tokenizer = sft.load_trained_model(model_dir)
+    played, count = [], 0
+    for name in names:
+        kind = real_environment(name)
+        tasks = kind.make_tasks(params.environments, "heldout", games, params.seed)
+        result = evaluate_policy(kind, params.environments, tasks,
+                                 policy.policy_factory(model, tokenizer, policy_format(params),
+                                                       params.policy.max_action_tokens),
+                                 workers=params.evaluate.workers, confidence=params.evaluate.confidence,
+                                 name="policy", max_steps=params.policy.max_turns)
+        played += [t for trajectory in result.trajectories for t in transitions(trajectory)]
+        count += len(tasks)
+    return played, count
+
+
+def merged(*parts: em.PredictionStats) -> em.PredictionStats:
+    """One run's counters from several (the failure budget holds for all predictions of the stage)."""
+    total = em.PredictionStats()
+    for part in parts:
+        for key in ("requests", "generations", "retries", "fallbacks", "reward_out_of_range", "backend_calls",
+                    "backend_errors"):
+            setattr(total, key, getattr(total, key) + getattr(part, key))
+        for reply in part.failed_replies:
+            total.keep_failed(reply)
+        total.last_backend_error = part.last_backend_error or total.last_backend_error
+    return total
+
+
+def report(params: Params, metrics: dict[str, Any], stats: em.PredictionStats) -> str:
     fmt, inference = params.experience_model.prompt, params.experience_model.inference
-    return (fidelity.fidelity_report(results)
-            + f"\n{transitions} held-out transitions (tasks never seen in training or in the buffer). The experience "
-              f"model ran with reasoning {fmt.use_reasoning} and retrieval {fmt.use_retrieval}; "
-              f"{stats.fallbacks} of {stats.requests} predictions fell back after {inference.retries} retry(ies) "
-              f"(an unparsable reply becomes 'state unchanged, reward 0'). Each prediction beside its gold "
-              f"transition: `{PREDICTIONS_FILE}`.\n")
+    seed_results = {key: value for key, value in metrics.items() if key not in ("transitions", "prediction",
+                                                                                   "on_policy")}
+    text = (fidelity.fidelity_report(seed_results)
+            + f"\n{metrics['transitions']} held-out seed transitions (tasks never seen in training or in the buffer). "
+              f"Each prediction beside its gold transition: `{PREDICTIONS_FILE}`.\n")
+    on_policy = metrics.get("on_policy")
+    if on_policy:
+        results = {key: value for key, value in on_policy.items()
+                   if key not in ("games", "transitions_played", "transitions", "prediction")}
+        text += ("\n## On the warm start's own play of held-out games\n\n"
+                 f"The warm-start policy played {on_policy['games']} held-out evaluation games greedily "
+                 f"({on_policy['transitions_played']} real transitions; they only measure, nothing trains on them); "
+                 f"{on_policy['transitions']} of them scored, rewarded and look-alike steps first. These are the "
+                 "states a policy reaches, mistakes included, which the seed rarely shows: false wins here are what "
+                 f"synthetic RL would be paid for. Each prediction beside its gold transition: `{ON_POLICY_FILE}`.\n\n"
+                 + fidelity.fidelity_report(results, title=None))
+    return text + (f"\nThe experience model ran with reasoning {fmt.use_reasoning}, retrieval {fmt.use_retrieval} and "
+                   f"reply form {fmt.reply}; {stats.fallbacks} of {stats.requests} predictions fell back after "
+                   f"{inference.retries} retry(ies) (an unparsable reply becomes 'state unchanged, reward 0').\n")

@@ -1,6 +1,8 @@
 """`dreamgym data onboard` as a user runs it: exit codes, summary, quarantine, DVC versioning."""
 import json
 
+import pytest
+
 from components.data.contract import read_records, write_records
 from tests.conftest import REPO, run
 from tests.seed_factory import BREAKAGES, mixed_records, valid_record, write_jsonl
@@ -125,3 +127,37 @@ def test_a_new_collection_supersedes_the_earlier_one_and_keeps_user_data(tmp_pat
     assert collect(range(0), ["demo-kitchen"]).removed == 2  # no real environment collected any more
     assert [r["trajectory_id"] for r in read_records(tmp_path / "data" / "trajectories.jsonl")] == ["mine-expert-0"]
     assert collect(range(0), ["demo-kitchen"]) is None  # and nothing left to supersede
+
+
+def test_a_heldout_games_transitions_never_reach_the_training_data_or_the_buffer(tmp_path):
+    """Held-out evaluation games only measure: onboarding quarantines them (kept whole, with the reason) and the
+    replay buffer refuses them, whatever source they claim; the same game from the train split goes through."""
+    from components.data.contract import HELDOUT_GAME_SEEDS, Trajectory, transitions
+    from components.data.onboarding import onboard
+    from components.data.validation import Limits
+    from components.simulator.replay_buffer import FaissReplayBuffer
+    from tests.conftest import settings_from_params
+    from tests.hashing_encoder import HashingEncoder
+
+    def game(index: int, seed: int, source: str) -> dict:
+        record = valid_record(index)
+        record["task"] |= {"task_id": f"tw-cooking-s{seed}", "environment": "textworld-cooking",
+                           "parameters": {"recipe": 1, "seed": seed}}
+        return record | {"source": source}
+
+    heldout = [game(0, HELDOUT_GAME_SEEDS.start, "policy"), game(1, HELDOUT_GAME_SEEDS.stop - 1, "expert")]
+    train = game(2, HELDOUT_GAME_SEEDS.start - 1, "policy")
+    result = onboard([write_jsonl([*heldout, train], tmp_path / "played.jsonl")], tmp_path / "data",
+                     Limits(65536, (-1.0, 1.0)), version=False)
+    assert result.added == 1
+    stored = list(read_records(tmp_path / "data" / "trajectories.jsonl"))
+    assert [r["trajectory_id"] for r in stored] == [train["trajectory_id"]]
+    quarantined = list(read_records(tmp_path / "data" / "quarantine.jsonl"))
+    assert [q["record"] for q in quarantined] == heldout  # kept whole
+    assert all("held-out evaluation game" in json.dumps(q["reasons"]) for q in quarantined)
+
+    buffer = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
+    for record in heldout:
+        with pytest.raises(ValueError, match="held-out evaluation game"):
+            buffer.add(list(transitions(Trajectory.from_dict(record))), source="real")
+    assert buffer.add(list(transitions(Trajectory.from_dict(train))), source="real") == 3

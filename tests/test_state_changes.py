@@ -7,8 +7,8 @@ from components.simulator.state_changes import apply_changes, changes, from_firs
 
 RECIPE = "Recipe:\nIngredients:\nred potato\n\nDirections:\nslice the red potato\nprepare meal"
 BEFORE = f"{RECIPE}\nObservation:\nYou take the knife.\nInventory: You are carrying: a knife."
-AFTER = f"{RECIPE}\nObservation:\nYou slice the red potato.\n\nYour score has just gone up.\nInventory: You are carrying: " \
-        "a knife and a sliced red potato."
+AFTER = (f"{RECIPE}\nObservation:\nYou slice the red potato.\n\nYour score has just gone up.\n"
+         "Inventory: You are carrying: a knife and a sliced red potato.")
 PAGE = 'Task: Log in.\n[1] input_text#user value=""\n[2] button "Submit"'
 
 

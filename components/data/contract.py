@@ -162,6 +162,20 @@ def is_success(reward: float, done: bool, success_reward: float | None) -> bool:
     return done and (reward >= success_reward if success_reward is not None else reward > 0)
 
 
+# The real environments whose games the project generates from a seed (components/envs): the train split draws seeds
+# below HELDOUT_GAME_SEEDS, the held-out evaluation split from it. A held-out game's transitions only measure:
+# onboarding quarantines them and the replay buffer refuses them, so they never train or ground anything.
+SEEDED_GAME_ENVIRONMENTS = ("textworld-cooking", "miniwob")
+HELDOUT_GAME_SEEDS = range(1_000_000, 2_000_000)
+
+
+def is_heldout_game(environment: str | None, parameters: Any) -> bool:
+    """A task of the held-out evaluation split of a seeded real environment (its parameters' seed says so)."""
+    seed = parameters.get("seed") if isinstance(parameters, dict) else None
+    return (environment in SEEDED_GAME_ENVIRONMENTS and isinstance(seed, int) and not isinstance(seed, bool)
+            and seed in HELDOUT_GAME_SEEDS)
+
+
 def is_heldout_task(task_id: str, fraction: float) -> bool:
     """A stable split by task: the same task lands on the same side on every machine, run and data size."""
     return zlib.crc32(task_id.encode("utf-8")) % 10_000 < fraction * 10_000

@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from components.data.contract import SOURCES, Trajectory, file_format
+from components.data.contract import HELDOUT_GAME_SEEDS, SOURCES, Trajectory, file_format, is_heldout_game
 
 MISSING, NULL, NOT_APPLICABLE = "missing", "null", "n/a"  # pseudo JSON types in the *_type columns
 TRAJECTORY_FIELDS = {"trajectory_id": "string", "task": "object", "steps": "array", "success": "boolean",
@@ -238,6 +238,8 @@ def _tables(records: list[RawRecord]) -> tuple[pd.DataFrame, pd.DataFrame]:
         row["instruction"] = _text(task.get("instruction")) if isinstance(task, dict) else None
         row["source"] = _text(value.get("source"))
         row["return_value"] = _finite_or_inf(value.get("return"))
+        row["heldout_game"] = isinstance(task, dict) and is_heldout_game(task.get("environment"),
+                                                                          task.get("parameters"))
         row["n_steps"] = len(steps) if isinstance(steps, list) else None
         row["unknown_fields"] = _unknown(value, TRAJECTORY_FIELDS)
         row["task.unknown_fields"] = _unknown(task, [*TASK_FIELDS, "parameters"])
@@ -316,6 +318,11 @@ def build_rules(limits: Limits, known_ids: Iterable[str] = ()) -> list[Rule]:
         Rule("unknown_field", "trajectories", "task", E.ExpectColumnValuesToBeNull(column="task.unknown_fields"),
              lambda row: f"unknown field(s) {row['task.unknown_fields']}; a task has task_id, environment, "
                          "instruction, parameters (put your own data in parameters)"),
+        Rule("heldout_game", "trajectories", "task.parameters.seed",
+             E.ExpectColumnValuesToBeInSet(column="heldout_game", value_set=[False]),
+             lambda row: f"{row['task_id']!r} is a held-out evaluation game of {row['environment']} (seed in "
+                         f"[{HELDOUT_GAME_SEEDS.start}, {HELDOUT_GAME_SEEDS.stop})): its transitions only measure "
+                         "and never train or ground anything; onboard games of the train split"),
         Rule("empty_steps", "trajectories", "steps", E.ExpectColumnValuesToBeBetween(column="n_steps", min_value=1),
              lambda row: "no steps; a trajectory needs at least one step"),
         Rule("unknown_source", "trajectories", "source",

@@ -62,7 +62,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.wait import WebDriverWait
 
-from components.data.contract import Task
+from components.data.contract import HELDOUT_GAME_SEEDS, Task
 from components.envs.base import (
     ENV_FAILURE,
     Environment,
@@ -76,7 +76,8 @@ from components.envs.base import (
 # Tasks the expert solves; the env itself runs any non-flight MiniWoB task.
 TASKS = ("click-button", "click-link", "enter-text", "enter-password", "login-user", "click-checkboxes",
          "click-tab-2", "use-autocomplete-nodelay", "search-engine", "email-inbox", "book-flight-nodelay")
-SEED_RANGES: dict[str, tuple[int, int]] = {"train": (0, 1_000_000), "heldout": (1_000_000, 2_000_000)}
+SEED_RANGES: dict[str, tuple[int, int]] = {"train": (0, HELDOUT_GAME_SEEDS.start),
+                                           "heldout": (HELDOUT_GAME_SEEDS.start, HELDOUT_GAME_SEEDS.stop)}
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage")

@@ -49,7 +49,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from components.data.contract import Task
+from components.data.contract import HELDOUT_GAME_SEEDS, Task
 from components.envs.base import (
     ENV_FAILURE,
     Environment,
@@ -66,7 +66,8 @@ OBJECTIVE = ("You are hungry! Let's cook a delicious meal. Check the cookbook in
 DEFAULT_DIFFICULTY: dict[str, Any] = {"recipe": 1, "take": 1, "go": 1, "open": True, "cook": True, "cut": True}
 ROOM_COUNTS = (1, 6, 9, 12)  # the only map sizes tw-cooking knows
 # Disjoint game-seed ranges, so no held-out game shares a seed with a training game.
-SEED_RANGES: dict[str, tuple[int, int]] = {"train": (1, 1_000_000), "heldout": (1_000_000, 2_000_000)}
+SEED_RANGES: dict[str, tuple[int, int]] = {"train": (1, HELDOUT_GAME_SEEDS.start),
+                                           "heldout": (HELDOUT_GAME_SEEDS.start, HELDOUT_GAME_SEEDS.stop)}
 DEFAULT_CACHE_DIR = Path(os.environ.get("DREAMGYM_TEXTWORLD_CACHE",
                                         Path.home() / ".cache" / "dreamgym" / "textworld-cooking"))
 GENERATION_TIMEOUT_S = 300.0

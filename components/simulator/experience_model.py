@@ -24,8 +24,9 @@ Target (the assistant reply), strict and parseable:
 
 With `reply: changes` the next state is written as the sections it changed (`<changes>`, see `state_changes`),
 in full where those cannot rebuild it exactly; with `trim_context` the history and example states start at their
-first changed section. With use_reasoning off the reasoning section is absent. Reasoning comes first so the next state is generated
-conditioned on it: that is the paper's joint objective, and the loss covers the whole reply (prompt tokens masked).
+first changed section. With use_reasoning off the reasoning section is absent. Reasoning comes first so the next
+state is generated conditioned on it: that is the paper's joint objective, and the loss covers the whole reply
+(prompt tokens masked).
 `format_target` and `parse_prediction` are exact inverses (a state round-trips byte for byte).
 
 Inference goes through `GenerationBackend.generate` (Hugging Face batched `generate` by default; vLLM and any

@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from components.data.contract import TaskRef, Transition
+from components.data.contract import TaskRef, Transition, is_heldout_game
 from components.files import atomic_directory
 
 if TYPE_CHECKING:
@@ -165,6 +165,10 @@ COLUMNS = ("environment", "task_id", "trajectory_id", "step_index", "state", "ac
 def _record(transition: Transition, source: Source) -> Retrieved:
     if source not in BUFFER_SOURCES:
         raise ValueError(f"source {source!r}: expected one of {BUFFER_SOURCES}")
+    task = transition.task
+    if is_heldout_game(task.environment, getattr(task, "parameters", None)):
+        raise ValueError(f"transition {transition.trajectory_id}/{transition.step_index} is from {task.task_id}, a "
+                         "held-out evaluation game: its transitions only measure and never ground the experience model")
     if source == "real" and transition.source == "synthetic":
         raise ValueError(f"transition {transition.trajectory_id}/{transition.step_index} comes from a synthetic "
                          "trajectory and cannot be added as real")
