@@ -12,7 +12,7 @@ from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl.curriculum import Curriculum
 from components.rl.grpo import train_grpo
-from components.rl.loop import CURRICULUM_FILE, LOG_FILE, read_iteration_log, sidecars_complete
+from components.rl.loop import CURRICULUM_FILE, LOG_FILE, kept_episodes, read_iteration_log, sidecars_complete
 from components.rl.rollouts import SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
@@ -64,6 +64,9 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
     checkpoint = tmp_path / "rl" / "checkpoints" / "checkpoint-2"
     assert (checkpoint / "replay_buffer" / "buffer.json").is_file()
     assert len((checkpoint / LOG_FILE).read_text().splitlines()) == 2
+    played = kept_episodes(tmp_path / "rl")  # every episode, once, as contract trajectories
+    assert len(played) == 2 * SETTINGS.episodes_per_iteration
+    assert sum(len(t.steps) for t in played) == sum(row["env_transitions"] for row in result.log)
 
     # the same settings again: nothing left to do, the log and buffer come back from the last checkpoint
     fresh = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
@@ -77,6 +80,8 @@ def test_grpo_trains_logs_iterations_writes_back_and_resumes(policy_dir, tmp_pat
                         POLICY_FORMAT, replace(SETTINGS, iterations=3), tmp_path / "rl", cache_dir=tmp_path)
     assert longer.resumed_from and [row["iteration"] for row in longer.log] == [1, 2, 3]
     assert longer.log[:2] == again.log
+    assert kept_episodes(tmp_path / "rl")[:len(played)] == played
+    assert len(kept_episodes(tmp_path / "rl")) == 3 * SETTINGS.episodes_per_iteration
     # pruned to save_total_limit (2), and only once the newest checkpoint's side-cars were written
     kept = sorted((tmp_path / "rl" / "checkpoints").glob("checkpoint-*"))
     assert [p.name for p in kept] == ["checkpoint-2", "checkpoint-3"]

@@ -12,7 +12,7 @@ import torch
 from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl.curriculum import Curriculum
-from components.rl.loop import LOG_FILE, read_iteration_log
+from components.rl.loop import LOG_FILE, kept_episodes, read_iteration_log
 from components.rl.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
 from components.rl.rollouts import Episode, SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
@@ -194,6 +194,9 @@ def test_ppo_resumes_mid_run_where_it_stopped(first_run, policy_dir, tmp_path):
     assert resumed.resumed_from and resumed.resumed_from.endswith("checkpoint-1") and resumed.iterations == 2
     assert len(backend.calls) == SETTINGS.max_turns  # exactly one more iteration: one experience-model call a turn
     assert len(resumed.log) == len(result.log) == 2
+    # iteration 2's episodes were kept once, by the resumed run (the crashed run's were dropped with its checkpoint)
+    assert [e.task.task_id for e in kept_episodes(crashed)] == [e.task.task_id for e in kept_episodes(out_dir)]
+    assert len(kept_episodes(crashed)) == 2 * SETTINGS.episodes_per_iteration
     assert resumed.log[-1]["buffer_size"] == len(buffer)
     assert (crashed / "checkpoints" / "checkpoint-2" / LOG_FILE).is_file()
     # the adapter, value head, optimizer and RNG states came back: iteration 2 is the uninterrupted run's

@@ -30,6 +30,7 @@ from components.rl.loop import (
     RLResult,
     RLSettings,
     iteration_record,
+    keep_episodes,
     logged_seconds,
     play_iteration,
     prune_checkpoints,
@@ -154,8 +155,10 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
             fields = pending["fields"]
             optimisation_s = (step_seconds - stats.policy_seconds - stats.env_seconds - fields["buffer_s"]
                               - fields["curriculum_s"])
-            rows.append(iteration_record(state.global_step, pending.pop("episodes"), stats, buffer, **fields,
+            episodes = pending.pop("episodes")
+            rows.append(iteration_record(state.global_step, episodes, stats, buffer, **fields,
                                          optimisation_s=round(optimisation_s, 2), **update))
+            keep_episodes(checkpoints, state.global_step, episodes)
             row, done = rows[-1], state.global_step - self.first
             eta = (time.monotonic() - self.start) / done * (state.max_steps - state.global_step)
             log.info("iteration %d/%d reward %.3f success %.2f kl %s | %.0fs/iteration, ETA %.0fs",

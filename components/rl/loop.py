@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from components.data.contract import Trajectory, read_records, write_records
 from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
 from components.llm.sft import LoraSettings, save_for_inference
@@ -36,6 +37,10 @@ if TYPE_CHECKING:  # curriculum.py builds on this module
     from components.rl.policy import PolicyFormat
 
 BUFFER_DIR, LOG_FILE, CURRICULUM_FILE = "replay_buffer", "iterations.jsonl", "curriculum.json"
+# In checkpoints/: every episode the run played, with its iteration. A resume drops the iterations after its
+# checkpoint (they are played again), so the file holds each iteration's episodes once: the real ones are the
+# policy's own on-policy data (sim-to-real's), which the correction rounds onboard.
+EPISODES_FILE = "episodes.jsonl"
 log = logging.getLogger(__name__)
 
 
@@ -183,6 +188,28 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
     return episodes, stats, fields
 
 
+def keep_episodes(checkpoints: Path, iteration: int, episodes: list[Episode]) -> None:
+    """Append iteration `iteration`'s (1-based) episodes, as contract trajectories, to checkpoints/EPISODES_FILE."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    with (checkpoints / EPISODES_FILE).open("a", encoding="utf-8") as out:
+        for episode in episodes:
+            if episode.trajectory is not None:
+                out.write(json.dumps({"iteration": iteration, "trajectory": episode.trajectory.to_dict()}) + "\n")
+
+
+def kept_episodes(out_dir: str | Path) -> list[Trajectory]:
+    """Every episode an RL run in `out_dir` played (`keep_episodes`), in order; [] before its first iteration."""
+    path = Path(out_dir) / "checkpoints" / EPISODES_FILE
+    return [Trajectory.from_dict(r["trajectory"]) for r in read_records(path)] if path.is_file() else []
+
+
+def _forget_episodes_after(checkpoints: Path, iterations: int) -> None:
+    """Drop the kept episodes of iterations after `iterations` (a resume plays them again)."""
+    path = checkpoints / EPISODES_FILE
+    if path.is_file():
+        write_records([r for r in read_records(path) if r["iteration"] <= iterations], path)
+
+
 def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[str, Any]],
                   curriculum: Curriculum) -> None:
     """Next to a checkpoint: the replay buffer, the curriculum and the iteration log as of that iteration. The log
@@ -315,4 +342,5 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
         log.info("resuming from %s (%d iterations done)", resume, len(rows))
     elif isinstance(buffer, WeaviateReplayBuffer):
         buffer.restore(None)  # synthetic records of a run killed before its first checkpoint
+    _forget_episodes_after(checkpoints, len(rows))
     return checkpoints, resume, rows

@@ -38,6 +38,7 @@ from components.rl.loop import (
     RLSettings,
     checkpoint_number,
     iteration_record,
+    keep_episodes,
     logged_seconds,
     play_iteration,
     prune_checkpoints,
@@ -418,6 +419,7 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
                             tokenizer.pad_token_id)
         rows.append(iteration_record(iteration + 1, episodes, stats, buffer, **fields,
                                      optimisation_s=round(time.monotonic() - optimisation_started, 2), **update))
+        keep_episodes(checkpoints, iteration + 1, episodes)
 
         row, done = rows[-1], iteration + 1 - start
         seconds = time.monotonic() - iteration_started
