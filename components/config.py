@@ -230,6 +230,9 @@ class ExperienceModelParams(Section):
     outcome_repeats: int = Field(ge=1, description="rewarded or terminal training transitions appear this many times")
     lookalike_repeats: int = Field(
         ge=1, description="unrewarded training steps of a command rewarded elsewhere appear this many times")
+    policy_repeats: int = Field(
+        ge=1, description="transitions a policy made in the real environment (source: policy) appear this many "
+                          "times more (on-policy data's weight)")
     inference: InferenceParams
     max_fallback_rate: float = Field(
         ge=0, le=1, description="share of predictions that may fall back (unparsable) before a stage using the "

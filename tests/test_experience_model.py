@@ -395,6 +395,11 @@ def test_sft_examples_repeat_rewarded_and_terminal_transitions():
     records = annotate([_trajectory("tw-1")])
     dataset = sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=3, lookalike_repeats=1)
     assert [row["step_index"] for row in dataset] == [0, 1, 2, 2, 2]  # only "eat meal" is rewarded and terminal
+    on_policy = annotate([replace(_trajectory("tw-2"), source="policy")])
+    weighted = sft_examples(records + on_policy, None, fmt(use_retrieval=False), outcome_repeats=3,
+                            lookalike_repeats=1, policy_repeats=2)
+    assert [(row["trajectory_id"], row["step_index"]) for row in weighted][5:] == \
+        [("tw-2", 0)] * 2 + [("tw-2", 1)] * 2 + [("tw-2", 2)] * 6
     assert "eat meal" not in dataset[4]["prompt"][1]["content"].split("Current state")[0]  # history not repeated
     with pytest.raises(ValueError, match="outcome_repeats"):
         sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=0, lookalike_repeats=1)

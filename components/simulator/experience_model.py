@@ -240,12 +240,15 @@ def sft_examples(
     fmt: PromptFormat,
     outcome_repeats: int,
     lookalike_repeats: int,
+    policy_repeats: int = 1,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
 
     Rewarded or terminal transitions appear `outcome_repeats` times. Why: outcomes are rare in seed data (2-3% of
     TextWorld steps), and a model trained on the plain mix learns "reward 0, not done" everywhere, so synthetic RL
     never sees a success.
+    Transitions a policy made in the real environment (`source: policy`: onboarded on-policy data) are repeated
+    `policy_repeats` times on top: they show the states a policy reaches, which the seed rarely does.
     Look-alikes (`contract.is_lookalike`: unrewarded steps of a command rewarded elsewhere, `eat meal` with no meal)
     appear `lookalike_repeats` times. Why: repeating only the rewarded `eat meal` teaches "eat meal wins" whatever the
     state (reports/research/experience_model/on_policy/).
@@ -257,9 +260,9 @@ def sft_examples(
     """
     from datasets import Dataset
 
-    if outcome_repeats < 1 or lookalike_repeats < 1:
-        raise ValueError(f"outcome_repeats and lookalike_repeats must be >= 1, got {outcome_repeats}, "
-                         f"{lookalike_repeats}")
+    if min(outcome_repeats, lookalike_repeats, policy_repeats) < 1:
+        raise ValueError(f"outcome_repeats, lookalike_repeats and policy_repeats must be >= 1, got "
+                         f"{outcome_repeats}, {lookalike_repeats}, {policy_repeats}")
     rewarded = rewarded_commands(annotated)
     by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
     for record in annotated:
@@ -285,12 +288,9 @@ def sft_examples(
             "trajectory_id": record.trajectory_id,
             "step_index": record.step_index,
         }
-        if is_outcome(record.reward, record.done):
-            rows.extend([row] * outcome_repeats)
-        elif is_lookalike(record, rewarded):
-            rows.extend([row] * lookalike_repeats)
-        else:
-            rows.append(row)
+        repeats = (outcome_repeats if is_outcome(record.reward, record.done)
+                   else lookalike_repeats if is_lookalike(record, rewarded) else 1)
+        rows.extend([row] * (repeats * (policy_repeats if record.source == "policy" else 1)))
     return Dataset.from_list(rows)
 
 
