@@ -48,6 +48,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         metrics["on_policy"] = {"games": games, "transitions_played": len(played), "transitions": len(on_policy),
                                 "prediction": on_policy_stats.as_dict(), **results}
         stats = merged(stats, on_policy_stats)
+    else:  # a seed-only domain, or no warm start or games: nothing played, an empty file for DVC's output
+        write_records([], root / ON_POLICY_FILE)
     fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
                                          f"{PREDICTIONS_FILE}, {ON_POLICY_FILE})", settings.inference.max_new_tokens)
     write_stage_outputs("evaluate_experience_model", metrics, report(params, metrics, stats), root)
