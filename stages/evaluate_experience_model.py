@@ -42,17 +42,19 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     random.Random(params.seed).shuffle(played)  # the sample's ordinary steps spread over every game, not the first
     on_policy = fidelity.outcomes_first_sample(played, settings.fidelity_max_transitions) \
         if settings.fidelity_max_transitions else played
+    on_policy_results = None
     if on_policy:
         on_policy_stats = em.PredictionStats()
-        results = score(params, root, buffer, on_policy, on_policy_stats, root / ON_POLICY_FILE)
+        on_policy_results = score(params, root, buffer, on_policy, on_policy_stats, root / ON_POLICY_FILE)
         metrics["on_policy"] = {"games": games, "transitions_played": len(played), "transitions": len(on_policy),
-                                "prediction": on_policy_stats.as_dict(), **results}
-        stats = merged(stats, on_policy_stats)
+                                "prediction": on_policy_stats.as_dict(), **on_policy_results}
+        stats.add(on_policy_stats)
     else:  # a seed-only domain, or no warm start or games: nothing played, an empty file for DVC's output
         write_records([], root / ON_POLICY_FILE)
     fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
                                          f"{PREDICTIONS_FILE}, {ON_POLICY_FILE})", settings.inference.max_new_tokens)
-    write_stage_outputs("evaluate_experience_model", metrics, report(params, metrics, stats), root)
+    write_stage_outputs("evaluate_experience_model", metrics,
+                        report(params, metrics, results, on_policy_results, stats), root)
     return metrics
 
 
@@ -98,37 +100,21 @@ def on_policy_transitions(params: Params, root: Path) -> tuple[list[Transition],
     return played, count
 
 
-def merged(*parts: em.PredictionStats) -> em.PredictionStats:
-    """One run's counters from several (the failure budget holds for all predictions of the stage)."""
-    total = em.PredictionStats()
-    for part in parts:
-        for key in ("requests", "generations", "retries", "fallbacks", "reward_out_of_range", "backend_calls",
-                    "backend_errors"):
-            setattr(total, key, getattr(total, key) + getattr(part, key))
-        for reply in part.failed_replies:
-            total.keep_failed(reply)
-        total.last_backend_error = part.last_backend_error or total.last_backend_error
-    return total
-
-
-def report(params: Params, metrics: dict[str, Any], stats: em.PredictionStats) -> str:
+def report(params: Params, metrics: dict[str, Any], results: dict[str, Any], on_policy_results: dict[str, Any] | None,
+           stats: em.PredictionStats) -> str:
     fmt, inference = params.experience_model.prompt, params.experience_model.inference
-    seed_results = {key: value for key, value in metrics.items() if key not in ("transitions", "prediction",
-                                                                                   "on_policy")}
-    text = (fidelity.fidelity_report(seed_results)
+    text = (fidelity.fidelity_report(results)
             + f"\n{metrics['transitions']} held-out seed transitions (tasks never seen in training or in the buffer). "
               f"Each prediction beside its gold transition: `{PREDICTIONS_FILE}`.\n")
-    on_policy = metrics.get("on_policy")
-    if on_policy:
-        results = {key: value for key, value in on_policy.items()
-                   if key not in ("games", "transitions_played", "transitions", "prediction")}
+    if on_policy_results is not None:
+        on_policy = metrics["on_policy"]
         text += ("\n## On the warm start's own play of held-out games\n\n"
                  f"The warm-start policy played {on_policy['games']} held-out evaluation games greedily "
                  f"({on_policy['transitions_played']} real transitions; they only measure, nothing trains on them); "
                  f"{on_policy['transitions']} of them scored, rewarded and look-alike steps first. These are the "
                  "states a policy reaches, mistakes included, which the seed rarely shows: false wins here are what "
                  f"synthetic RL would be paid for. Each prediction beside its gold transition: `{ON_POLICY_FILE}`.\n\n"
-                 + fidelity.fidelity_report(results, title=None))
+                 + fidelity.fidelity_report(on_policy_results, title=None))
     return text + (f"\nThe experience model ran with reasoning {fmt.use_reasoning}, retrieval {fmt.use_retrieval} and "
                    f"reply form {fmt.reply}; {stats.fallbacks} of {stats.requests} predictions fell back after "
                    f"{inference.retries} retry(ies) (an unparsable reply becomes 'state unchanged, reward 0').\n")

@@ -626,3 +626,16 @@ def test_full_fine_tuning_and_the_sequence_bound(tiny: Path, tmp_path: Path):
     with pytest.raises(ValueError, match="max_seq_len"):
         train_sft(dataset, str(tiny), tmp_path / "none", replace(settings, max_seq_len=10),
                                cache_dir=tmp_path)
+
+
+def test_prediction_stats_add_counts_another_runs_predictions():
+    seed, on_policy = PredictionStats(requests=8, generations=9, fallbacks=1), PredictionStats(
+        requests=8, generations=8, fallbacks=8, backend_calls=2, backend_errors=1)
+    seed.keep_failed("first")
+    on_policy.keep_failed("second")
+    on_policy.last_backend_error = "TimeoutError: slow"
+    seed.add(on_policy)
+    counts = (seed.requests, seed.generations, seed.fallbacks, seed.backend_calls, seed.backend_errors)
+    assert counts == (16, 17, 9, 2, 1)
+    assert seed.failed_replies == ["first", "second"] and seed.last_backend_error == "TimeoutError: slow"
+    assert seed.fallback_rate == 9 / 16

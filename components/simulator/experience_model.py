@@ -174,6 +174,7 @@ def format_target(next_state: str, reward: float, done: bool, reasoning: str | N
     step = state_changes.changes(changes_from, next_state) if changes_from is not None else None
     if step is not None:
         target = f"{head}<changes>\n{step}\n</changes>\n{tail}"
+        # the tags' optional newlines must not take a line of the changes: the reply has to parse back exactly
         parsed = parse_prediction(target, changes_from)
         if parsed is not None and parsed.next_state == next_state:
             return target
@@ -340,6 +341,15 @@ class PredictionStats:
         counts = {key: value for key, value in asdict(self).items()
                   if key not in ("failed_replies", "last_backend_error")}
         return {**counts, "fallback_rate": self.fallback_rate, "backend_error_rate": self.backend_error_rate}
+
+    def add(self, other: PredictionStats) -> None:
+        """Count `other`'s predictions in these counters too (a stage's budget holds for all its predictions)."""
+        for name, value in asdict(other).items():
+            if isinstance(value, int):
+                setattr(self, name, getattr(self, name) + value)
+        for reply in other.failed_replies:
+            self.keep_failed(reply)
+        self.last_backend_error = other.last_backend_error or self.last_backend_error
 
     def keep_failed(self, reply: str) -> None:
         if len(self.failed_replies) < FAILED_REPLIES_KEPT:
