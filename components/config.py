@@ -156,6 +156,8 @@ class AnnotateParams(Section):
     teacher: TeacherParams | None = Field(description="null: deterministic traces derived from the data")
     describe_changes: bool = Field(description="the deterministic trace quotes what changed (false: for an experience "
                                    "model whose reply states the changes itself, experience_model.prompt.reply)")
+    restate_action: bool = Field(description="the deterministic trace opens with a sentence restating the action "
+                                 "(false: shorter replies; a web action's element is still named)")
     out_dir: str
 
 
@@ -347,6 +349,25 @@ class SimToRealParams(Section):
     learning_rate: float = Field(gt=0)
 
 
+class CorrectionParams(Section):
+    """Correction rounds (stages/correction_rounds.py): synthetic RL, on-policy play in the real games, the experience
+    model corrected on what the policy met, round after round, from the warm start."""
+
+    out_dir: str
+    rounds: int = Field(ge=0, description="rounds; 0: the stage is skipped")
+    feedback: bool = Field(description="false: the same rounds and real budget with nothing fed back (DreamGym-S2R)")
+    synthetic_iterations: int = Field(gt=0, description="synthetic RL iterations per round")
+    real_transitions: int = Field(gt=0, description="real transitions of sim-to-real RL on training tasks per round "
+                                  "(the replay audit's real transitions are counted on top)")
+    training_steps: int = Field(gt=0, description="optimizer steps of the experience model's continued training per "
+                                "round, on the seed and every on-policy transition so far (weight: "
+                                "experience_model.policy_repeats)")
+    heldout_games: int = Field(gt=0, description="held-out games per environment each round's policies play (the "
+                               "first of the evaluation split); the last round's play all policy.eval_tasks")
+    onboard_into_seed: bool = Field(description="the pipeline flow ends by onboarding the rounds' on-policy "
+                                    "trajectories into data/: the next retraining run starts from them")
+
+
 class StudyParams(Section):
     """The results study (flows/study.py, components/results/study.py)."""
 
@@ -398,6 +419,7 @@ class Params(Section):
     policy: PolicyParams
     synthetic_rl: SyntheticRLParams
     sim_to_real: SimToRealParams
+    correction: CorrectionParams
     study: StudyParams
     prefect: PrefectParams
 
@@ -418,6 +440,14 @@ def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | No
     return parse_params(raw, source=str(path))
 
 
+def overridden(params: Params, overrides: dict[str, Any]) -> Params:
+    """`params` with dotted-key overrides ({"synthetic_rl.iterations": 2}), validated like params.yaml."""
+    raw = params.model_dump()
+    for dotted, value in overrides.items():
+        set_dotted(raw, dotted, value)
+    return parse_params(raw, source="overrides " + ", ".join(overrides))
+
+
 def parse_params(raw: dict[str, Any], source: str = "params") -> Params:
     try:
         return Params.model_validate(raw)
@@ -431,7 +461,7 @@ def active_profile(params_path: str | Path = "params.yaml", profiles_dir: str | 
     current = load_params(params_path).model_dump()
     for path in sorted(Path(profiles_dir).glob("*.yaml")):
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        if isinstance(values, dict) and all(_dotted(current, key) == value for key, value in values.items()):
+        if isinstance(values, dict) and all(get_dotted(current, key) == value for key, value in values.items()):
             return path.stem
     return "custom"
 
@@ -454,7 +484,7 @@ def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") ->
     params_path = Path(params_path)
     current = load_params(params_path).model_dump()
     load_params(params_path, values)  # validates the result (ParamsError names the key)
-    changed = {key: value for key, value in values.items() if _dotted(current, key) != value}
+    changed = {key: value for key, value in values.items() if get_dotted(current, key) != value}
     round_trip = YAML()  # keeps comments, order and quoting of everything it does not touch
     round_trip.width, round_trip.preserve_quotes = 118, True
     round_trip.representer.add_representer(  # `null`, as params.yaml writes it, not an empty value
@@ -492,7 +522,7 @@ def _flow(value: Any) -> Any:
     return seq
 
 
-def _dotted(tree: dict[str, Any], dotted: str) -> Any:
+def get_dotted(tree: dict[str, Any], dotted: str) -> Any:
     for key in dotted.split("."):
         tree = tree.get(key, {}) if isinstance(tree, dict) else {}
     return tree

@@ -67,6 +67,18 @@ def onboard_collected_seed() -> dict:
             "removed": result.removed}
 
 
+@task(name="onboard on-policy data")
+def onboard_on_policy() -> dict:
+    """The correction rounds' on-policy trajectories into data/ (correction.onboard_into_seed): what the next
+    scheduled retraining trains on. No event is emitted: the run would otherwise trigger the next."""
+    result = outputs.onboard_on_policy(load_params(PARAMS))
+    if result is None:
+        get_run_logger().info("the correction rounds kept no on-policy trajectories: nothing to onboard")
+        return {"added": 0, "rejected": 0}
+    get_run_logger().info(result.summary())
+    return {"added": result.added, "rejected": len(result.rejected)}
+
+
 @task(name="publish", retries=2, retry_delay_seconds=5)  # uploads replace whole artifacts: safe to retry
 def publish(run_id: str, stage: str) -> list[str]:
     uris = outputs.publish(load_params(PARAMS), run_id, stage)
@@ -139,6 +151,8 @@ def pipeline_flow() -> dict:
         if stage == "collect_seed":
             results["onboard"] = onboard_collected_seed()
         publish(run_id, stage)
+    if load_params(PARAMS).correction.onboard_into_seed:
+        results["onboard_on_policy"] = onboard_on_policy()
     # A remote that cannot be reached (no store running, no credentials) leaves the run's outputs local and in the
     # artifact store: the push task shows as failed in the UI and `dvc push` can be rerun by hand; the run stands.
     pushed = push(return_state=True)

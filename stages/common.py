@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # stage names (in dvc.yaml, as Prefect flows, as modules stages/<name>.py), in pipeline order
 STAGES = ("collect_seed", "validate", "annotate", "index_buffer", "train_experience_model", "train_policy_sft",
           "evaluate_experience_model", "synthetic_rl", "sim_to_real", "evaluate_policies",
-          "evaluate_baselines")
+          "evaluate_baselines", "correction_rounds")
 # old name -> new name: `dreamgym stage/flow OLD` still runs the stage, with a notice, for one release
 RENAMED = {"evaluate": "evaluate_baselines"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from components.artifacts import open_artifact_store
 from components.config import Params
-from components.data.contract import COLLECTED, read_records
+from components.data.contract import COLLECTED, ON_POLICY, read_records
 from components.data.onboarding import OnboardingResult, onboard, version_with_dvc
 from components.data.validation import Limits
 from components.reports import metrics_path, report_path
@@ -39,6 +39,20 @@ def onboard_collected(params: Params, root: str | Path = ".") -> OnboardingResul
                      supersedes=previous)
     collected = sorted({record["trajectory_id"] for path in paths for record in read_records(path)})
     manifest.write_text("".join(f"{trajectory_id}\n" for trajectory_id in collected), encoding="utf-8")
+    result.version_note = version_with_dvc(data_dir)
+    return result
+
+
+def onboard_on_policy(params: Params, root: str | Path = ".") -> OnboardingResult | None:
+    """The correction rounds' on-policy trajectories (source: policy) onboarded into the versioned data directory,
+    beside the user's seed, for the next retraining run; None when the rounds kept none. Validation applies as to a
+    user's file: a record of a held-out game would be quarantined, never stored."""
+    root = Path(root)
+    path = root / params.correction.out_dir / ON_POLICY
+    if not path.is_file() or not path.read_text(encoding="utf-8").strip():
+        return None
+    data_dir = root / params.data.dir
+    result = onboard([path], data_dir, Limits.of(params.data), version=False)
     result.version_note = version_with_dvc(data_dir)
     return result
 

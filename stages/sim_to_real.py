@@ -10,7 +10,7 @@ from typing import Any
 
 from components.builders import curriculum_settings, policy_format, policy_trajectories, rl_settings, run_identity
 from components.config import Params
-from components.data.contract import write_trajectories
+from components.data.contract import ON_POLICY, write_trajectories
 from components.envs.registry import has_adapter, real_environment
 from components.reports import line_plot, markdown_table, write_csv, write_stage_outputs
 from components.rl.curriculum import Curriculum
@@ -18,9 +18,6 @@ from components.rl.loop import iterations_within_budget, kept_episodes
 from components.rl.rollouts import RealBatch
 
 log = logging.getLogger(__name__)
-# The real episodes sim-to-real played on training tasks (source: policy): the policy's own on-policy data, in the
-# seed-data contract, ready for `dreamgym data onboard`.
-ON_POLICY_FILE = "on_policy.jsonl"
 # the iteration log's columns in the report's table
 SHOWN = ["iteration", "reward_mean", "success_rate", "kl", "turns_mean", "env_transitions", "env_failures",
          "policy_generation_s", "environment_s", "optimisation_s"]
@@ -50,7 +47,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         model_dir.mkdir(parents=True)
         (model_dir / "SKIPPED.md").write_text(f"Sim-to-real was skipped: {why_not}.\n", encoding="utf-8")
         write_csv([], root / "metrics" / "sim_to_real_iterations.csv")  # no iterations (outputs DVC expects)
-        write_trajectories([], root / settings.out_dir / ON_POLICY_FILE)
+        write_trajectories([], root / settings.out_dir / ON_POLICY)
         line_plot([], "iteration", [], root / "reports" / "sim_to_real.png", "Sim-to-real (skipped)")
         metrics = {"skipped": skipped, "reason": why_not, "iterations": 0, "real_transitions_used": 0,
                    "real_transitions_budget": settings.real_transitions}
@@ -74,7 +71,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         raise RuntimeError(f"sim_to_real used {used} real transitions, over its budget {settings.real_transitions}")
     write_csv(rows, root / "metrics" / "sim_to_real_iterations.csv")
     played = kept_episodes(root / settings.out_dir)
-    write_trajectories(played, root / settings.out_dir / ON_POLICY_FILE)
+    write_trajectories(played, root / settings.out_dir / ON_POLICY)
     line_plot(rows, "iteration", ["reward_mean", "success_rate", "kl", "env_transitions"],
               root / "reports" / "sim_to_real.png", f"Sim-to-real {params.synthetic_rl.algorithm.upper()}")
     metrics = {"skipped": skipped, "start_from": settings.start_from, "algorithm": params.synthetic_rl.algorithm,

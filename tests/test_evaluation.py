@@ -25,7 +25,7 @@ from components.results.evaluation import (
     seeded_random,
     wilson_interval,
 )
-from components.results.study import _read_games
+from components.results.study import read_games, sign_test
 from components.simulator.replay_buffer import Retrieved
 from components.simulator.synthetic import episodes_from_buffer
 
@@ -175,7 +175,7 @@ def test_an_engine_that_dies_mid_episode_is_counted_apart_not_as_a_loss(textworl
     assert [g["won"] for g in games] == [1, "", 1, 1] and "game engine failed" in games[1]["env_failure"]
     assert [g["env_failure"] for g in games[::2]] == ["", ""]
     write_csv(games, tmp_path / "evaluate_policies_games.csv")
-    outcomes = _read_games(tmp_path / "evaluate_policies_games.csv")[("expert", "textworld-cooking")]
+    outcomes = read_games(tmp_path / "evaluate_policies_games.csv")[("expert", "textworld-cooking")]
     assert outcomes == {t.task_id: True for t in tasks if t.task_id != doomed}
     assert (len(outcomes), sum(outcomes.values())) == (result.episodes, result.successes)  # what paired_games checks
 
@@ -281,3 +281,21 @@ def test_miniwob_expert_and_random() -> None:
     assert random_.success_rate < 1.0
     assert all(t.source == "random" for t in random_.trajectories)
     assert not engine_children()
+
+
+def test_the_final_policy_of_the_correction_rounds_is_paired_with_the_warm_start_game_by_game(tmp_path):
+    """On the held-out games both played: the games only one won and the exact sign test; a game only one of them
+    played, or one an environment failure ended, is left out."""
+    from stages.correction_rounds import against_warm_start
+
+    def games(policy: str, outcomes: dict[str, int | str]) -> list[dict]:
+        return [{"policy": policy, "environment": "textworld-cooking", "task_id": task, "won": won, "steps": 3,
+                 "actions": "[]", "env_failure": "engine hung" if won == "" else ""} for task, won in outcomes.items()]
+
+    write_csv(games("sft_warm_start", {"a": 0, "b": 0, "c": 1, "d": 0, "e": 0, "f": 0}),
+              tmp_path / "warm.csv")
+    write_csv(games("sim-to-real", {"a": 1, "b": 1, "c": 0, "d": 1, "e": "", "x": 1}), tmp_path / "final.csv")
+    paired = against_warm_start(tmp_path / "warm.csv", tmp_path / "final.csv")["textworld-cooking"]
+    assert paired == {"games": 4, "final_wins": 3, "warm_start_wins": 1, "final_only": 3, "warm_start_only": 1,
+                      "p_value": sign_test(3, 1)}
+    assert against_warm_start(tmp_path / "missing.csv", tmp_path / "final.csv") == {}

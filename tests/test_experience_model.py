@@ -106,6 +106,10 @@ def test_trace_names_action_changes_progress_and_reward():
     brief = deterministic_trace(_trajectory().steps[1], previous_info={"score": 0}, describe_changes=False)
     assert not any(word in brief for word in ("Changed:", "New:", "Gone:", "went from"))
     assert brief.split(" Progress")[0] in trace and brief.endswith(trace[trace.index("Progress"):])
+    # without the action restated (it is in the prompt already), the trace starts at what the game did
+    terse = deterministic_trace(_trajectory().steps[1], previous_info={"score": 0}, restate_action=False)
+    assert terse.startswith("The environment accepted it.") and "verb" not in terse
+    assert trace.endswith(terse)
 
 
 def test_trace_explains_success_and_failure_endings():
@@ -371,7 +375,8 @@ def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     buffer = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
     buffer.add([t for tid in ("tw-1", "tw-2", "tw-3") for t in transitions(_trajectory(tid))], source="real")
 
-    dataset = sft_examples(records, buffer, fmt(use_reasoning=True, use_retrieval=True, history_length=1, top_k=4),
+    dataset = sft_examples(records, buffer, fmt(use_reasoning=True, use_retrieval=True, history_length=1, top_k=4,
+                                                reply="next_state", trim_context=False),
                            outcome_repeats=1, lookalike_repeats=1)
     row = dataset[2]  # tw-1, step 2
     user = row["prompt"][1]["content"]
@@ -385,8 +390,8 @@ def test_sft_examples_rebuild_history_and_drop_own_trajectory_from_retrieval():
     parsed = parse_prediction(row["completion"][0]["content"])
     assert parsed is not None and parsed.done and parsed.reward == 1.0 and "success" in parsed.reasoning
 
-    plain = sft_examples(records, buffer, fmt(use_retrieval=False, use_reasoning=False), outcome_repeats=1,
-                         lookalike_repeats=1)
+    plain = sft_examples(records, buffer, fmt(use_retrieval=False, use_reasoning=False, reply="next_state"),
+                         outcome_repeats=1, lookalike_repeats=1)
     assert "Similar transitions" not in plain[0]["prompt"][1]["content"]
     assert parse_prediction(plain[0]["completion"][0]["content"]).reasoning is None
 

@@ -161,3 +161,31 @@ def test_a_heldout_games_transitions_never_reach_the_training_data_or_the_buffer
         with pytest.raises(ValueError, match="held-out evaluation game"):
             buffer.add(list(transitions(Trajectory.from_dict(record))), source="real")
     assert buffer.add(list(transitions(Trajectory.from_dict(train))), source="real") == 3
+
+
+def test_the_correction_rounds_on_policy_data_is_onboarded_beside_the_seed_for_the_next_retraining(tmp_path):
+    """correction.onboard_into_seed: the pipeline flow's last task onboards the rounds' on-policy trajectories into
+    data/ through the user's path (a held-out game's record quarantined, not stored); nothing kept: nothing done."""
+    from components.config import load_params
+    from components.data.contract import HELDOUT_GAME_SEEDS
+    from stages.outputs import onboard_on_policy
+
+    def played(index: int, seed: int) -> dict:
+        record = valid_record(index)
+        record["task"] |= {"task_id": f"tw-cooking-s{seed}", "environment": "textworld-cooking",
+                           "parameters": {"recipe": 1, "seed": seed}}
+        return record | {"source": "policy", "trajectory_id": f"s2r-{index}"}
+
+    params = load_params(REPO / "params.yaml")
+    assert onboard_on_policy(params, root=tmp_path) is None  # no rounds ran
+    mine = valid_record(9)
+    write_jsonl([mine], tmp_path / "mine.jsonl")
+    run("dreamgym", "data", "onboard", str(tmp_path / "mine.jsonl"), "--data-dir", str(tmp_path / "data"),
+        "--no-version", cwd=REPO)
+    write_jsonl([played(0, 7), played(1, HELDOUT_GAME_SEEDS.start)],
+                tmp_path / params.correction.out_dir / "on_policy.jsonl")
+    result = onboard_on_policy(params, root=tmp_path)
+    assert (result.added, len(result.rejected)) == (1, 1)
+    stored = {r["trajectory_id"]: r["source"] for r in read_records(tmp_path / "data" / "trajectories.jsonl")}
+    assert stored == {mine["trajectory_id"]: mine["source"], "s2r-0": "policy"}
+    assert [q["record"]["trajectory_id"] for q in read_records(tmp_path / "data" / "quarantine.jsonl")] == ["s2r-1"]

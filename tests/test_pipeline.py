@@ -367,3 +367,55 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
     assert "from 0 finished runs" in (project / "reports" / "results_study" / "README.md").read_text()
     assert (project / "params.yaml").read_text() == params_before  # the killed run's overrides are gone
     assert not (project / ".dvc" / "tmp" / "study-params.yaml").exists()
+
+
+def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):
+    """Two rounds on real TextWorld games: each plays synthetic RL, sim-to-real and the replay audit, onboards what
+    the policy met beside the seed, retrains the experience model on it and measures it on held-out play; a rerun
+    keeps finished rounds; without feedback the same rounds spend the same budget and correct nothing."""
+    set_params(project, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
+                         **tiny_policy(tiny_model_dir), "data.heldout_task_fraction": 0.4,
+                         "correction.heldout_games": 1, "experience_model.on_policy_games": 1,
+                         "correction.rounds": 2, "correction.real_transitions": 4, "correction.training_steps": 1})
+    run("dreamgym", "stage", "collect_seed", cwd=project)
+    run("dreamgym", "data", "onboard", *sorted(str(p) for p in (project / "seed").glob("*.jsonl")), cwd=project)
+    for stage in ("annotate", "index_buffer", "train_experience_model", "train_policy_sft"):
+        run("dreamgym", "stage", stage, cwd=project)
+    first = run("dreamgym", "stage", "correction_rounds", cwd=project)
+    rounds = project / "models" / "correction" / "rounds"
+    metrics = json.loads((project / "metrics" / "correction_rounds.json").read_text())
+    with (project / "metrics" / "correction_rounds.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert metrics["rounds"] == 2 and metrics["feedback"] and [row["round"] for row in rows] == ["1", "2"]
+    for number, row in enumerate(rows, start=1):
+        s2r = json.loads((rounds / f"round_{number}" / "metrics" / "sim_to_real.json").read_text())
+        assert 0 < s2r["real_transitions_used"] <= 4
+        played = read_trajectories(rounds / f"round_{number}" / "on_policy.jsonl")
+        assert played and all(t.source == "policy" for t in played)
+        assert int(row["real_transitions"]) == sum(len(t.steps) for t in played)  # sim-to-real's and the replays'
+        assert int(row["quarantined"]) == 0  # training tasks only: nothing of a held-out game
+        corrected = read_trajectories(rounds / f"round_{number}" / "data" / "trajectories.jsonl")
+        assert {t.trajectory_id for t in played} <= {t.trajectory_id for t in corrected}  # onboarded beside the seed
+        trained = json.loads((rounds / f"round_{number}" / "metrics" / "train_experience_model.json").read_text())
+        assert trained["global_step"] == 1
+        fidelity = json.loads((rounds / f"round_{number}" / "metrics" / "evaluate_experience_model.json").read_text())
+        assert fidelity["on_policy"]["games"] == 1  # the round's own policy on a held-out game
+    assert int(rows[1]["real_transitions_total"]) == int(rows[0]["real_transitions"]) + int(rows[1]["real_transitions"])
+    # round 2 starts from round 1's policy and corrected experience model
+    assert f"round 2/2: synthetic RL from {rounds / 'round_1' / 'sim_to_real'} with the experience model of " \
+           f"{rounds / 'round_1' / 'experience'}" in first.stdout
+    assert len(read_trajectories(project / "models" / "correction" / "on_policy.jsonl")) == sum(
+        len(read_trajectories(rounds / f"round_{n}" / "on_policy.jsonl")) for n in (1, 2))
+    assert (project / "models" / "correction" / "experience_model" / "config.json").is_file()
+    assert "| round |" in (project / "reports" / "correction_rounds.md").read_text()
+
+    again = run("dreamgym", "stage", "correction_rounds", cwd=project)  # finished rounds are kept, not replayed
+    assert again.stdout.count("finished before, kept") == 2
+
+    set_params(project, {"correction.feedback": False})  # other settings: the rounds are made again, uncorrected
+    run("dreamgym", "stage", "correction_rounds", cwd=project)
+    assert not json.loads((project / "metrics" / "correction_rounds.json").read_text())["feedback"]
+    assert not (rounds / "round_1" / "data").exists() and not (rounds / "round_2" / "experience").exists()
+    for number in (1, 2):
+        s2r = json.loads((rounds / f"round_{number}" / "metrics" / "sim_to_real.json").read_text())
+        assert s2r["real_transitions_budget"] == 4

@@ -103,7 +103,9 @@ def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
     buffer.add([t for tr in (seed, other) for t in transitions(tr)], source="real")
 
     backend = ScriptedBackend()
-    env = make_env(backend, buffer, prompt={"use_retrieval": True, "top_k": 2})
+    # whole example states (the short reply's trimmed context would cut this one-line state down to its change)
+    env = make_env(backend, buffer, prompt={"use_retrieval": True, "top_k": 2, "reply": "next_state",
+                                            "trim_context": False})
     env.reset(TASK)
     env.step("open fridge")
     user = backend.calls[0][0][-1]["content"]

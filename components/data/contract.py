@@ -21,6 +21,8 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 # The versioned data directory (onboarding writes it): accepted trajectories, their distinct tasks, rejected records,
 # and the ids the pipeline's own seed collection stored there (so the next collection can supersede exactly those)
 TRAJECTORIES, TASKS, QUARANTINE, COLLECTED = "trajectories.jsonl", "tasks.jsonl", "quarantine.jsonl", "collected.txt"
+# A policy's own real episodes on training tasks (source: policy), as the RL stages that played them write them
+ON_POLICY = "on_policy.jsonl"
 
 
 @dataclass(frozen=True)

@@ -182,11 +182,11 @@ def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("
         if name in known and seed.isdigit() and (path / "evaluate_policies.json").is_file():
             runs.append(Run(path, known[name], int(seed), _read(path / "evaluate_policies.json"),
                             _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
-                            _read(path / RUN_RECORD), _read_games(path / KEPT_GAMES)))
+                            _read(path / RUN_RECORD), read_games(path / KEPT_GAMES)))
     return runs
 
 
-def _read_games(path: Path) -> dict[tuple[str, str], dict[str, bool]]:
+def read_games(path: Path) -> dict[tuple[str, str], dict[str, bool]]:
     """(policy, environment) -> task id -> won; a game an environment failure ended has no outcome and is left out
     (as the metrics leave it out of `episodes`), so no pairing counts it as a loss."""
     games: dict[tuple[str, str], dict[str, bool]] = {}

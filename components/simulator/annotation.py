@@ -100,18 +100,20 @@ class StepLike(Protocol):
 
 
 def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None = None,
-                        describe_changes: bool = True) -> str:
+                        describe_changes: bool = True, restate_action: bool = True) -> str:
     """Explain a transition from the data alone, in a few short sentences.
 
     `describe_changes` off leaves out what changed, appeared and disappeared: for an experience model whose reply
     states the changed sections itself (`experience_model.prompt.reply: changes`), they would be written twice.
+    `restate_action` off leaves out the sentence that repeats the action (its verb and object, already in the
+    prompt); which element a web action names is still said.
 
     `step.info` (when the object has one) supplies `valid_action`, `score`/`max_score`, `won`/`lost`/`success`,
     `truncated`, `timeout`; `previous_info` is the info of the step before, which turns a score into a change
     ("rose from 1 to 2"). Missing keys are simply not mentioned: any environment's data works.
     """
     info: Mapping[str, Any] = getattr(step, "info", None) or {}
-    sentences = [_action_sentence(step.action, step.state), _validity_sentence(step, info)]
+    sentences = [_action_sentence(step.action, step.state, restate_action), _validity_sentence(step, info)]
     if describe_changes:
         sentences += _change_sentences(step.state, step.next_state)
     sentences.append(_progress_sentence(info, previous_info))
@@ -119,17 +121,19 @@ def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None 
     return " ".join(s for s in sentences if s)
 
 
-def _action_sentence(action: str, state: str) -> str:
+def _action_sentence(action: str, state: str, restate: bool = True) -> str:
     verb, _, target = action.strip().partition(" ")
-    sentence = f"The action '{action.strip()}' uses the verb '{verb}'"
-    sentence += f" on '{target.strip()}'." if target.strip() else "."
+    sentences = []
+    if restate:
+        sentences.append(f"The action '{action.strip()}' uses the verb '{verb}'"
+                         + (f" on '{target.strip()}'." if target.strip() else "."))
     # Web-style actions name an element by reference ("click [12]"): say which element of the state that is.
     if ref := re.search(r"\[(-?\d+)\]", action):
         for line in state.splitlines():
             if line.strip().startswith(f"[{ref.group(1)}]"):
-                sentence += f" Element [{ref.group(1)}] is {_quote(line.strip()[len(ref.group(0)):].strip())}."
+                sentences.append(f"Element [{ref.group(1)}] is {_quote(line.strip()[len(ref.group(0)):].strip())}.")
                 break
-    return sentence
+    return " ".join(sentences)
 
 
 def _validity_sentence(step: StepLike, info: Mapping[str, Any]) -> str:
@@ -318,12 +322,13 @@ def _clean_teacher_trace(text: str | None) -> str | None:
 # ---- annotate, read, write ------------------------------------------------------------------------------------
 
 
-def iter_steps(trajectories: Iterable[Trajectory], describe_changes: bool = True) -> Iterator[AnnotatedTransition]:
+def iter_steps(trajectories: Iterable[Trajectory], describe_changes: bool = True,
+               restate_action: bool = True) -> Iterator[AnnotatedTransition]:
     """Every step as an AnnotatedTransition with its deterministic trace (the final trace, or a teacher's facts)."""
     for trajectory in trajectories:
         previous_info: Mapping[str, Any] | None = None
         for transition in transitions(trajectory, history_length=0):
-            trace = deterministic_trace(transition, previous_info, describe_changes)
+            trace = deterministic_trace(transition, previous_info, describe_changes, restate_action)
             yield AnnotatedTransition.of(transition, trace, DETERMINISTIC)
             previous_info = transition.info
 
@@ -334,6 +339,7 @@ def annotate(
     batch_size: int = 16,
     replies_path: str | Path | None = None,
     describe_changes: bool = True,
+    restate_action: bool = True,
 ) -> list[AnnotatedTransition]:
     """Annotate every step of every trajectory, in input order.
 
@@ -345,7 +351,7 @@ def annotate(
     rerun annotation asks the teacher only what it has not answered yet (greedy replies are reproducible). Failed
     replies are not kept: a rerun asks again.
     """
-    records = list(iter_steps(trajectories, describe_changes))
+    records = list(iter_steps(trajectories, describe_changes, restate_action))
     if teacher is None:
         return records
     kept = _read_replies(replies_path)

@@ -1,0 +1,277 @@
+"""correction_rounds: round after round, synthetic RL, then on-policy play in the real games on training tasks, then
+the experience model corrected on the real transitions the policy met; the next round starts from the current policy.
+
+Each round is the pipeline's own stages run in a round directory (`<out_dir>/rounds/round_N/`, their metrics and
+reports under it): synthetic_rl (`correction.synthetic_iterations`) and sim_to_real (`correction.real_transitions`)
+from the current policy, evaluate_policies (held-out success and the replay audit, whose replays of synthetic
+episodes in the real games are on-policy data too), then, with `correction.feedback`, the round's on-policy
+trajectories onboarded beside the seed (validation and quarantine as for a user's data), annotate, index_buffer and
+train_experience_model continued from the current experience model (`correction.training_steps`), and
+evaluate_experience_model: fidelity on the current policy's own play of held-out games. `feedback: false` spends the
+same rounds and real budget with nothing fed back (DreamGym-S2R), for the comparison.
+
+A finished round is kept (its `round.json`) and a rerun goes on from the next; a round cut short resumes its
+unfinished steps (each keeps its own checkpoints). Rounds made under other settings or inputs are discarded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from components.config import Params, get_dotted, overridden
+from components.data.contract import ON_POLICY, TRAJECTORIES, is_heldout_game, read_trajectories, write_trajectories
+from components.data.onboarding import onboard
+from components.data.validation import Limits
+from components.files import directory_sha256, discard_unless_stamped, sha256_file
+from components.reports import GAMES_FILE, line_plot, markdown_table, metrics_path, write_csv, write_stage_outputs
+from components.results.study import read_games, sign_test
+from stages import (
+    annotate,
+    evaluate_experience_model,
+    evaluate_policies,
+    index_buffer,
+    sim_to_real,
+    synthetic_rl,
+    train_experience_model,
+)
+
+log = logging.getLogger(__name__)
+# what a round reads (the keys of `current`) and where a corrected round keeps its own, under its directory
+READ_FROM = {"policy": "policy.sft.out_dir", "experience": "experience_model.out_dir", "data": "data.dir",
+             "annotated": "annotate.out_dir", "buffer": "buffer.out_dir"}
+CORRECTED = {"experience": "experience", "data": "data", "annotated": "annotated", "buffer": "buffer"}
+ROUND_FILE = "round.json"  # a finished round's row: its presence marks the round done
+SHOWN = ["round", "real_transitions", "real_transitions_total", "on_policy_transitions", "quarantined",
+         "synthetic_wins", "confirmed_wins", "synthetic_fallback_rate", "on_policy_false_win_rate",
+         "on_policy_false_wins", "on_policy_unrewarded", "on_policy_change_f1", "heldout_success", "minutes"]
+
+
+def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
+    """Correction rounds from the warm start; the final policy, the corrected experience model and every round's
+    on-policy trajectories are the outputs."""
+    root, settings = Path(root).resolve(), params.correction
+    out = root / settings.out_dir
+    if settings.rounds == 0:
+        return _skipped(params, root, "correction.rounds is 0")
+    raw = params.model_dump()
+    current = {key: root / get_dotted(raw, section) for key, section in READ_FROM.items()}
+    fingerprint = _fingerprint(params, current)
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for number in range(1, settings.rounds + 1):
+        round_dir = out / "rounds" / f"round_{number}"
+        if discard_unless_stamped(round_dir, f"{fingerprint} round {number}", round_dir / "STAMP"):
+            log.info("round %d: discarded work of other settings or inputs", number)
+        finished = round_dir / ROUND_FILE
+        if finished.is_file():
+            row = json.loads(finished.read_text(encoding="utf-8"))
+            print(f"[correction_rounds] round {number}/{settings.rounds}: finished before, kept")
+        else:
+            row = play_round(params, root, round_dir, number, current, rows)
+            finished.write_text(json.dumps(row, indent=1), encoding="utf-8")
+        current = after_round(current, round_dir, settings.feedback)
+        rows.append(row)
+        elapsed = time.monotonic() - started
+        print(f"[correction_rounds] round {number}/{settings.rounds} done: {row['real_transitions_total']} real "
+              f"transitions so far, on-policy false wins {row['on_policy_false_wins']}/{row['on_policy_unrewarded']}"
+              f", synthetic wins confirmed {row['confirmed_wins']}/{row['synthetic_wins']}, held-out success "
+              f"{row['heldout_success']}; ETA {elapsed / number * (settings.rounds - number):.0f}s")
+
+    _replace_dir(current["policy"] / "model", out / "model")
+    _replace_dir(current["experience"] / "model", out / "experience_model")
+    played = [t for number in range(1, settings.rounds + 1)
+              for t in read_trajectories(out / "rounds" / f"round_{number}" / ON_POLICY)]
+    write_trajectories(played, out / ON_POLICY)
+    write_csv(rows, root / "metrics" / "correction_rounds.csv")
+    line_plot(rows, "round", ["on_policy_false_win_rate", "confirmed_share", "heldout_success"],
+              root / "reports" / "correction_rounds.png", "Correction rounds" + ("" if settings.feedback
+                                                                                else " (no feedback)"))
+    last = rows[-1]
+    metrics = {"rounds": len(rows), "feedback": settings.feedback, "real_transitions": last["real_transitions_total"],
+               "on_policy_transitions": len([s for t in played for s in t.steps]),
+               "final": {key: last[key] for key in ("on_policy_false_win_rate", "confirmed_wins", "synthetic_wins",
+                                                    "heldout_success")},
+               "first": {key: rows[0][key] for key in ("on_policy_false_win_rate", "heldout_success")},
+               "seconds": round(sum(row["minutes"] for row in rows) * 60, 1)}
+    metrics["against_warm_start"] = against_warm_start(root / GAMES_FILE, out / "rounds" / f"round_{len(rows)}"
+                                                       / GAMES_FILE)
+    write_stage_outputs("correction_rounds", metrics, report(params, rows, metrics["against_warm_start"]), root)
+    return metrics
+
+
+def against_warm_start(warm_games: Path, final_games: Path) -> dict[str, dict[str, Any]]:
+    """Per environment, the final policy against the warm start on the held-out games both played (evaluate_policies
+    of the pipeline and of the last round draw the same games): wins, the games only one of them won, and the exact
+    two-sided sign test on those."""
+    warm = {env: games for (policy, env), games in read_games(warm_games).items() if policy == "sft_warm_start"}
+    final = {env: games for (policy, env), games in read_games(final_games).items() if policy == "sim-to-real"}
+    paired = {}
+    for env in sorted(warm.keys() & final.keys()):
+        both = warm[env].keys() & final[env].keys()
+        final_only = sum(final[env][g] and not warm[env][g] for g in both)
+        warm_only = sum(warm[env][g] and not final[env][g] for g in both)
+        paired[env] = {"games": len(both), "final_wins": sum(final[env][g] for g in both),
+                       "warm_start_wins": sum(warm[env][g] for g in both), "final_only": final_only,
+                       "warm_start_only": warm_only, "p_value": sign_test(final_only, warm_only)}
+    return paired
+
+
+def play_round(params: Params, root: Path, round_dir: Path, number: int, current: dict[str, Path],
+               earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round in `round_dir`, from the `current` policy, experience model, data and buffer; its row."""
+    settings, started = params.correction, time.monotonic()
+    # What the round reads, as absolute paths; what it writes, relative: under round_dir, the steps' root.
+    reading = _reading(root, params, current)
+    playing = overridden(params, {**reading, "synthetic_rl.out_dir": "synthetic_rl",
+                                  "synthetic_rl.iterations": settings.synthetic_iterations,
+                                  "sim_to_real.out_dir": "sim_to_real", "sim_to_real.start_from": "synthetic_rl",
+                                  "sim_to_real.real_transitions": settings.real_transitions,
+                                  "evaluate.policies": ["synthetic_rl", "sim_to_real"],
+                                  # the last round's policy is the result: it plays every held-out game
+                                  "policy.eval_tasks": params.policy.eval_tasks if number == settings.rounds
+                                  else min(settings.heldout_games, params.policy.eval_tasks)})
+    print(f"[correction_rounds] round {number}/{settings.rounds}: synthetic RL from {current['policy']} with the "
+          f"experience model of {current['experience']}")
+    synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir))
+    real = _step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir))
+    evaluated = _step(round_dir, "evaluate_policies", lambda: evaluate_policies.run(playing, round_dir))
+
+    # On-policy data: sim-to-real's episodes and the replays of synthetic episodes, all on training tasks (the
+    # held-out games evaluate_policies played only measure).
+    episodes = read_trajectories(round_dir / evaluate_policies.EPISODES_FILE)
+    replays = [t for t in episodes if t.source == "policy" and not is_heldout_game(t.task.environment,
+                                                                                   t.task.parameters)]
+    on_policy = read_trajectories(round_dir / "sim_to_real" / ON_POLICY) + replays
+    write_trajectories(on_policy, round_dir / ON_POLICY)
+    quarantined = 0
+    if settings.feedback:
+        quarantined = correct(params, root, round_dir, current)
+    # the experience model the next round uses, on the current policy's own play of held-out games
+    measuring = overridden(params, _reading(root, params, after_round(current, round_dir, settings.feedback)))
+    fidelity = _step(round_dir, "evaluate_experience_model",
+                     lambda: evaluate_experience_model.run(measuring, round_dir))
+
+    audit = evaluated.get("synthetic_replay", {}).values()
+    on_policy_model = fidelity.get("on_policy", {}).get("experience model", {}).get("overall", {})
+    spent = real["real_transitions_used"] + sum(len(t.steps) for t in replays)
+    heldout = [entry["success_rate"] for key, entry in evaluated.get("sim-to-real", {}).items()
+               if isinstance(entry, dict) and "success_rate" in entry]
+    wins, confirmed = sum(a["synthetic_successes"] for a in audit), sum(a["both"] for a in audit)
+    unrewarded = on_policy_model.get("unrewarded_n", 0)
+    return {"round": number, "real_transitions": spent,
+            "real_transitions_total": spent + (earlier[-1]["real_transitions_total"] if earlier else 0),
+            "on_policy_transitions": sum(len(t.steps) for t in on_policy), "quarantined": quarantined,
+            "synthetic_transitions": synthetic["synthetic_transitions"],
+            "synthetic_fallback_rate": synthetic["experience_model"]["fallback_rate"],
+            "synthetic_wins": wins, "confirmed_wins": confirmed, "confirmed_share": confirmed / wins if wins else None,
+            "on_policy_false_wins": on_policy_model.get("false_wins"), "on_policy_unrewarded": unrewarded,
+            "on_policy_false_win_rate": on_policy_model["false_wins"] / unrewarded if unrewarded else None,
+            "on_policy_change_f1": on_policy_model.get("change_f1"),
+            "heldout_success": sum(heldout) / len(heldout) if heldout else None,
+            "minutes": round((time.monotonic() - started) / 60, 2)}
+
+
+def after_round(current: dict[str, Path], round_dir: Path, feedback: bool) -> dict[str, Path]:
+    """What the next round reads: this round's policy, and with feedback its corrected data, buffer and model."""
+    return {**current, "policy": round_dir / "sim_to_real",
+            **({key: round_dir / name for key, name in CORRECTED.items()} if feedback else {})}
+
+
+def correct(params: Params, root: Path, round_dir: Path, current: dict[str, Path]) -> int:
+    """The round's on-policy trajectories onboarded beside the data so far, then the buffer re-indexed and the
+    experience model trained on, from the current one; how many on-policy records onboarding quarantined."""
+    data_dir, onboarded = round_dir / CORRECTED["data"], round_dir / "onboarding.json"
+    if not onboarded.is_file():  # not onboarded yet, or cut short while onboarding: from the data so far, again
+        shutil.rmtree(data_dir, ignore_errors=True)
+        data_dir.mkdir(parents=True)
+        shutil.copyfile(current["data"] / TRAJECTORIES, data_dir / TRAJECTORIES)
+        result = onboard([round_dir / ON_POLICY], data_dir, Limits.of(params.data), version=False)
+        print(f"[correction_rounds] {result.summary()}")
+        onboarded.write_text(json.dumps({"quarantined": len(result.rejected)}), encoding="utf-8")
+    quarantined = json.loads(onboarded.read_text(encoding="utf-8"))["quarantined"]
+    outputs = {key: round_dir / name for key, name in CORRECTED.items()}
+    corrected = overridden(params, {
+        **_reading(root, params, {**current, **outputs}), "models.experience": str(current["experience"] / "model"),
+        "experience_model.training.max_steps": params.correction.training_steps})
+    for stage in (annotate, index_buffer, train_experience_model):
+        name = stage.__name__.rsplit(".", 1)[-1]
+        _step(round_dir, name, lambda stage=stage: stage.run(corrected, round_dir))
+    return quarantined
+
+
+def _reading(root: Path, params: Params, paths: dict[str, Path]) -> dict[str, str]:
+    """Overrides that make a stage read `paths` (absolute, whatever root it runs in) and the shared model cache."""
+    return {"models.cache_dir": str(root / params.models.cache_dir),
+            **{READ_FROM[key]: str(path) for key, path in paths.items()}}
+
+
+def _step(round_dir: Path, stage: str, work) -> dict[str, Any]:
+    """A stage's metrics in the round: read back when it finished before (a resumed round), else from `work`."""
+    done = metrics_path(stage, round_dir)
+    if done.is_file():
+        return json.loads(done.read_text(encoding="utf-8"))
+    return work()
+
+
+def _fingerprint(params: Params, inputs: dict[str, Path]) -> str:
+    """What the rounds are made from: the settings they use and the content of their inputs."""
+    raw = params.model_dump()
+    sections = {name: raw[name] for name in (
+        "seed", "data", "models", "environments", "evaluate", "buffer", "annotate", "experience_model", "policy",
+        "synthetic_rl", "sim_to_real", "correction")}
+    content = {key: directory_sha256(path / "model") if (path / "model").is_dir() else
+               sha256_file(path / TRAJECTORIES) if (path / TRAJECTORIES).is_file() else directory_sha256(path)
+               for key, path in inputs.items()}
+    return hashlib.sha256(json.dumps([sections, content], sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _replace_dir(source: Path, target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+
+
+def _skipped(params: Params, root: Path, why: str) -> dict[str, Any]:
+    out = root / params.correction.out_dir
+    for name in ("model", "experience_model"):
+        shutil.rmtree(out / name, ignore_errors=True)
+        (out / name).mkdir(parents=True)
+        (out / name / "SKIPPED.md").write_text(f"No correction rounds: {why}.\n", encoding="utf-8")
+    write_trajectories([], out / ON_POLICY)
+    write_csv([], root / "metrics" / "correction_rounds.csv")
+    line_plot([], "round", [], root / "reports" / "correction_rounds.png", "Correction rounds (skipped)")
+    metrics = {"rounds": 0, "reason": why}
+    write_stage_outputs("correction_rounds", metrics, f"# Correction rounds\n\nSkipped: {why}.\n", root)
+    return metrics
+
+
+def report(params: Params, rows: list[dict[str, Any]], paired: dict[str, dict[str, Any]]) -> str:
+    settings = params.correction
+    return (f"# Correction rounds ({'with' if settings.feedback else 'without'} feedback)\n\n"
+            f"{len(rows)} rounds from the warm start, each {settings.synthetic_iterations} synthetic RL iteration(s), "
+            f"then sim-to-real on training tasks ({settings.real_transitions} real transitions) and the replay audit "
+            "(synthetic episodes replayed in the real games, their transitions counted on top), then "
+            + (f"the round's on-policy trajectories onboarded beside the seed, the buffer re-indexed and the "
+               f"experience model trained {settings.training_steps} more steps (on-policy data weighted "
+               f"{params.experience_model.policy_repeats}x). " if settings.feedback else
+               "nothing fed back (`correction.feedback: false`: DreamGym-S2R at the same real budget). ")
+            + "On-policy fidelity: the experience model the next round uses, on the current policy's greedy play of "
+              f"{params.experience_model.on_policy_games} held-out games (they only measure); a false win is a reward "
+              "predicted where the game gave none. Held-out success: the round's sim-to-real policy on "
+              f"the first {settings.heldout_games} held-out games per environment (the last round's on all "
+              f"{params.policy.eval_tasks}).\n\n![rounds](correction_rounds.png)\n\n"
+            + markdown_table(SHOWN, [[row.get(key) for key in SHOWN] for row in rows])
+            + ("\n## The final policy against the warm start\n\nOn the held-out games both played (the warm start in "
+               "the pipeline's evaluate_policies): games only one of them won, and the exact sign test on those.\n\n"
+               + markdown_table(["environment", "games", "final policy wins", "warm start wins", "only the final",
+                                 "only the warm start", "p (two-sided)"],
+                                [[env, p["games"], p["final_wins"], p["warm_start_wins"], p["final_only"],
+                                  p["warm_start_only"], f"{p['p_value']:.3f}"] for env, p in paired.items()])
+               if paired else "\nNo paired comparison with the warm start: the pipeline's evaluate_policies has not "
+               "played it on the same held-out games (evaluate.policies lists train_policy_sft).\n")
+            + f"\nEach round's stages wrote their own metrics and reports under `{settings.out_dir}/rounds/`; every "
+              f"on-policy trajectory is in `{settings.out_dir}/{ON_POLICY}` (`dreamgym data onboard` takes it).\n")
