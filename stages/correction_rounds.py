@@ -3,11 +3,12 @@ the experience model corrected on the real transitions the policy met; the next 
 
 Each round is the pipeline's own stages run in a round directory (`<out_dir>/rounds/round_N/`, their metrics and
 reports under it): synthetic_rl (`correction.synthetic_iterations`) and sim_to_real (`correction.real_transitions`)
-from the current policy, evaluate_policies (held-out success and the replay audit, whose replays of synthetic
-episodes in the real games are on-policy data too), then, with `correction.feedback`, the round's on-policy
-trajectories onboarded beside the seed (validation and quarantine as for a user's data), annotate, index_buffer and
-train_experience_model continued from the current experience model (`correction.training_steps`), and
-evaluate_experience_model: fidelity on the current policy's own play of held-out games. `feedback: false` spends the
+from the current policy, evaluate_policies of the sim-to-real policy (held-out success), the replay audit (synthetic
+episodes replayed in the real games: how many synthetic wins they confirm; the replays are on-policy data too), then,
+with `correction.feedback`, the round's on-policy trajectories onboarded beside the seed (validation and quarantine as
+for a user's data), annotate, index_buffer and train_experience_model continued from the current experience model
+(`correction.training_steps`), and evaluate_experience_model: fidelity on the current policy's own play of held-out
+games. `feedback: false` spends the
 same rounds and real budget with nothing fed back (DreamGym-S2R), for the comparison.
 
 A finished round is kept (its `round.json`) and a rerun goes on from the next; a round cut short resumes its
@@ -27,6 +28,7 @@ from components.config import Params, get_dotted, overridden
 from components.data.contract import ON_POLICY, TRAJECTORIES, is_heldout_game, read_trajectories, write_trajectories
 from components.data.onboarding import onboard
 from components.data.validation import Limits
+from components.envs.registry import has_adapter
 from components.files import directory_sha256, discard_unless_stamped, sha256_file
 from components.reports import GAMES_FILE, line_plot, markdown_table, metrics_path, write_csv, write_stage_outputs
 from components.results.study import read_games, sign_test
@@ -131,7 +133,7 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
                                   "synthetic_rl.iterations": settings.synthetic_iterations,
                                   "sim_to_real.out_dir": "sim_to_real", "sim_to_real.start_from": "synthetic_rl",
                                   "sim_to_real.real_transitions": settings.real_transitions,
-                                  "evaluate.policies": ["synthetic_rl", "sim_to_real"],
+                                  "evaluate.policies": ["sim_to_real"],
                                   # the last round's policy is the result: it plays every held-out game
                                   "policy.eval_tasks": params.policy.eval_tasks if number == settings.rounds
                                   else min(settings.heldout_games, params.policy.eval_tasks)})
@@ -140,12 +142,9 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
     synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir))
     real = _step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir))
     evaluated = _step(round_dir, "evaluate_policies", lambda: evaluate_policies.run(playing, round_dir))
+    audit, replays = replay_audit(playing, round_dir)
 
-    # On-policy data: sim-to-real's episodes and the replays of synthetic episodes, all on training tasks (the
-    # held-out games evaluate_policies played only measure).
-    episodes = read_trajectories(round_dir / evaluate_policies.EPISODES_FILE)
-    replays = [t for t in episodes if t.source == "policy" and not is_heldout_game(t.task.environment,
-                                                                                   t.task.parameters)]
+    # On-policy data: sim-to-real's episodes and the replays of synthetic episodes, all on training tasks
     on_policy = read_trajectories(round_dir / "sim_to_real" / ON_POLICY) + replays
     write_trajectories(on_policy, round_dir / ON_POLICY)
     quarantined = 0
@@ -156,7 +155,7 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
     fidelity = _step(round_dir, "evaluate_experience_model",
                      lambda: evaluate_experience_model.run(measuring, round_dir))
 
-    audit = evaluated.get("synthetic_replay", {}).values()
+    audit = audit.values()
     on_policy_model = fidelity.get("on_policy", {}).get("experience model", {}).get("overall", {})
     spent = real["real_transitions_used"] + sum(len(t.steps) for t in replays)
     heldout = [entry["success_rate"] for key, entry in evaluated.get("sim-to-real", {}).items()
@@ -174,6 +173,20 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
             "on_policy_change_f1": on_policy_model.get("change_f1"),
             "heldout_success": sum(heldout) / len(heldout) if heldout else None,
             "minutes": round((time.monotonic() - started) / 60, 2)}
+
+
+def replay_audit(params: Params, round_dir: Path) -> tuple[dict[str, Any], list]:
+    """The round's synthetic episodes replayed in the real games (evaluate_policies' audit): per environment, how
+    many synthetic wins the game confirms, and the replays (real transitions on training tasks). Kept in the round
+    directory, so a resumed round does not play them again."""
+    kept, replayed = round_dir / "replay_audit.json", round_dir / "replays.jsonl"
+    if not kept.is_file():
+        environments = [name for name in params.policy.environments if has_adapter(name)]
+        audit, replays, _ = evaluate_policies.replay_synthetic_episodes(params, round_dir, environments)
+        write_trajectories([t for t in replays if not is_heldout_game(t.task.environment, t.task.parameters)],
+                           replayed)
+        kept.write_text(json.dumps(audit, indent=1), encoding="utf-8")
+    return json.loads(kept.read_text(encoding="utf-8")), read_trajectories(replayed)
 
 
 def after_round(current: dict[str, Path], round_dir: Path, feedback: bool) -> dict[str, Path]:
