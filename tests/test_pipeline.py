@@ -241,9 +241,10 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
     set_params(onboarded, {"synthetic_rl.learning_rate": 2e-5})  # one param: only the stages downstream of it rerun
     ran = re.findall(r"Running stage '(\w+)'", run("dvc", "repro", cwd=onboarded).stdout)
     # evaluate_policies follows only if the RL policy's bytes changed: with zero advantages (every tiny episode
-    # earned the same) the update is zero whatever the learning rate, and DVC rightly skips it
+    # earned the same) the update is zero whatever the learning rate, and DVC rightly skips it; the correction
+    # rounds run synthetic RL with these settings (here none: correction.rounds 0), so they rerun too
     assert ran[:2] == ["synthetic_rl", "sim_to_real"] and set(ran) <= {"synthetic_rl", "sim_to_real",
-                                                                        "evaluate_policies"}
+                                                                        "evaluate_policies", "correction_rounds"}
 
 
 def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_model_dir):
