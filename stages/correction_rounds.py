@@ -62,7 +62,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         return _skipped(params, root, "correction.rounds is 0")
     raw = params.model_dump()
     current = {key: root / get_dotted(raw, section) for key, section in READ_FROM.items()}
-    fingerprint = _fingerprint(params, current)
+    fingerprint = _fingerprint(raw, current)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for number in range(1, settings.rounds + 1):
@@ -95,7 +95,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                                                                 else " (no feedback)"))
     last = rows[-1]
     metrics = {"rounds": len(rows), "feedback": settings.feedback, "real_transitions": last["real_transitions_total"],
-               "on_policy_transitions": len([s for t in played for s in t.steps]),
+               "on_policy_transitions": sum(len(t.steps) for t in played),
                "final": {key: last[key] for key in ("on_policy_false_win_rate", "confirmed_wins", "synthetic_wins",
                                                     "heldout_success")},
                "first": {key: rows[0][key] for key in ("on_policy_false_win_rate", "heldout_success")},
@@ -231,9 +231,8 @@ def _step(round_dir: Path, stage: str, work) -> dict[str, Any]:
     return work()
 
 
-def _fingerprint(params: Params, inputs: dict[str, Path]) -> str:
-    """What the rounds are made from: the settings they use and the content of their inputs."""
-    raw = params.model_dump()
+def _fingerprint(raw: dict[str, Any], inputs: dict[str, Path]) -> str:
+    """What the rounds are made from: the settings they use (`raw`, the params as a dict) and their inputs' content."""
     sections = {name: raw[name] for name in (
         "seed", "data", "models", "environments", "evaluate", "buffer", "annotate", "experience_model", "policy",
         "synthetic_rl", "sim_to_real", "correction")}

@@ -51,10 +51,7 @@ def onboard_on_policy(params: Params, root: str | Path = ".") -> OnboardingResul
     path = root / params.correction.out_dir / ON_POLICY
     if not path.is_file() or not path.read_text(encoding="utf-8").strip():
         return None
-    data_dir = root / params.data.dir
-    result = onboard([path], data_dir, Limits.of(params.data), version=False)
-    result.version_note = version_with_dvc(data_dir)
-    return result
+    return onboard([path], root / params.data.dir, Limits.of(params.data))
 
 
 def declared_outputs(stage: str, root: str | Path = ".") -> list[str]:
