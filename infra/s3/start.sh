@@ -90,6 +90,8 @@ pipeline = healthcheck $kind-server
 
 [app:$kind-server]
 use = egg:swift#$kind
+conn_timeout = 10
+node_timeout = 60
 
 [filter:healthcheck]
 use = egg:swift#healthcheck
@@ -110,6 +112,11 @@ pipeline = catch_errors gatekeeper healthcheck proxy-logging cache listing_forma
 [app:proxy-server]
 use = egg:swift#proxy
 account_autocreate = true
+# One process per server on a loaded machine: Swift's defaults (0.5 s to connect, a node shunned for 60 s after 10
+# errors) turn a busy moment into minutes of 503 SlowDown, since there is no other replica to ask.
+conn_timeout = 10
+node_timeout = 60
+error_suppression_interval = 1
 
 [filter:s3api]
 use = egg:swift#s3api
