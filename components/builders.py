@@ -100,6 +100,33 @@ def rl_settings(params: Params):
         batched_rollouts=params.policy.batched_rollouts, seed=params.seed)
 
 
+def curve_probe(params: Params):
+    """The RL stages' learning curve (`loop.CurveProbe`): held-out success every evaluate.curve_every iterations on
+    the first evaluate.curve_games held-out games of each policy environment with a real adapter, played greedily;
+    None when curve_every is 0 or no environment has an adapter."""
+    from components.envs.registry import has_adapter, real_environment
+    from components.results.evaluation import evaluate_policy
+    from components.rl.loop import CurveProbe
+    from components.rl.policy import policy_factory
+
+    settings = params.evaluate
+    environments = [name for name in params.policy.environments if has_adapter(name)]
+    if not settings.curve_every or not environments:
+        return None
+    tasks = {name: real_environment(name).make_tasks(params.environments, "heldout", settings.curve_games,
+                                                     params.seed) for name in environments}
+    fmt = policy_format(params)
+
+    def measure(model: Any, tokenizer: Any) -> float:
+        results = [evaluate_policy(real_environment(name), params.environments, tasks[name],
+                                   policy_factory(model, tokenizer, fmt, params.policy.max_action_tokens),
+                                   workers=settings.workers, confidence=settings.confidence, name="curve",
+                                   progress=None, max_steps=params.policy.max_turns) for name in environments]
+        return sum(r.successes for r in results) / max(1, sum(r.episodes for r in results))
+
+    return CurveProbe(settings.curve_every, measure)
+
+
 def experience_backend(params: Params, root: Path) -> Any:
     """The trained experience model behind the configured inference backend; replies stop at their last tag."""
     from components.simulator import experience_model as em

@@ -84,6 +84,7 @@ class MiniWoBParams(Section):
     tasks: list[str]
     step_timeout_s: float = Field(gt=0)
     max_steps: int = Field(gt=0)
+    coverage_episodes: int = Field(gt=0)
 
 
 class EnvironmentsParams(Section):
@@ -115,6 +116,12 @@ class EvaluateParams(Section):
     confidence: float = Field(gt=0, lt=1)
     policies: list[Literal["train_policy_sft", "synthetic_rl", "sim_to_real"]] = Field(
         min_length=1, description="the policies evaluate_policies plays, by the stage that trains them")
+    replay_audit: bool = Field(description="evaluate_policies replays the synthetic-RL policy's episodes in the real "
+                               "games (how many synthetic wins they confirm), with every real transition it takes")
+    curve_every: int = Field(ge=0, description="the RL stages measure held-out success every this many iterations "
+                             "(and after the last), their learning curve; 0: never")
+    curve_games: int = Field(gt=0, description="held-out games per environment of the learning curve (the same games "
+                             "at every point)")
 
 
 class WeaviateParams(Section):
@@ -359,6 +366,11 @@ class CorrectionParams(Section):
     synthetic_iterations: int = Field(gt=0, description="synthetic RL iterations per round")
     real_transitions: int = Field(gt=0, description="real transitions of sim-to-real RL on training tasks per round "
                                   "(the replay audit's real transitions are counted on top)")
+    sim_to_real: Literal["every_round", "last_round"] = Field(description=(
+        "which rounds run sim-to-real: last_round spends real_transitions once, after the last round's synthetic RL "
+        "(DreamGym-S2R's shape), and the earlier rounds learn from the replay audit alone"))
+    replay_transitions: int | None = Field(ge=0, description="real transitions the replay audit may spend per round, "
+                                           "replaying synthetic wins first; null: every synthetic episode")
     training_steps: int = Field(gt=0, description="optimizer steps of the experience model's continued training per "
                                 "round, on the seed and every on-policy transition so far (weight: "
                                 "experience_model.policy_repeats)")
@@ -374,6 +386,9 @@ class StudyParams(Section):
     results_dir: str
     seeds: list[int] = Field(min_length=1)
     algorithms: list[Literal["grpo", "ppo"]] = Field(min_length=1)
+    environments: list[str] = Field(min_length=1, description=(
+        "each run trains its experience model and policy on one of these, with its folder under the environment's "
+        "in results_dir"))
     real_budget: int = Field(gt=0, description="B: real transitions of the real-environment RL baseline")
     s2r_share: float = Field(ge=0, le=1, description="DreamGym-S2R's real budget as a share of B (paper: 0.1)")
     variants: list[str] = Field(description="the variants to run by name; empty: all")

@@ -7,13 +7,18 @@
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
   dreamgym params use PROFILE                      write a profile (profiles/NAME.yaml: quick, cpu, gpu) into it
+  dreamgym coverage miniwob [TASK...]              what the text interface covers of each MiniWoB task (resumable)
+  dreamgym simulator export DIR                    the trained simulator as a self-contained bundle (Gymnasium: DIR)
+  dreamgym simulator serve DIR [--port N]          a bundle behind OpenEnv's protocol, for many rollout workers
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -57,11 +62,40 @@ def main(argv: list[str] | None = None) -> int:
     study_command = commands.add_parser("study", help="the results study: `report` remakes its report from the runs "
                                         "kept in study.results_dir (runs copied in from other checkouts), running none")
     study_command.add_argument("action", choices=["report"])
+    coverage = commands.add_parser("coverage", help="per task of an environment: reset, interactive elements the "
+                                   "state shows, expert or random success; writes reports/<env>_coverage.md")
+    coverage.add_argument("environment", choices=["miniwob"])
+    coverage.add_argument("tasks", nargs="*", help="task names (default: every task; rows already measured are kept)")
+    simulator = commands.add_parser("simulator", help="the trained simulator as a product: `export DIR` writes a "
+                                    "self-contained bundle (experience model, buffer, tasks, manifest); `serve DIR` "
+                                    "serves one over OpenEnv's protocol (WebSocket /ws, /health)")
+    simulator.add_argument("action", choices=["export", "serve"])
+    simulator.add_argument("directory", type=Path, help="the bundle's directory (export: replaced whole)")
+    simulator.add_argument("--host", default="127.0.0.1", help="serve: interface (default: %(default)s)")
+    simulator.add_argument("--port", type=int, default=8000, help="serve: port (default: %(default)s)")
+    simulator.add_argument("--max-sessions", type=_positive, default=64,
+                           help="serve: sessions at once; one more is refused (default: %(default)s)")
+    simulator.add_argument("--environment", help="serve: which environment of a bundle that simulates several")
+    simulator.add_argument("--backend", choices=["hf", "llamacpp"], help="serve: run the weights in this backend "
+                           "instead of the bundle's")
+    simulator.add_argument("--shadow", type=_share, default=0.0, metavar="SHARE",
+                           help="serve: replay this share of the episodes in the real environment and report how "
+                           "far they agree (GET /shadow and the log); needs an adapter (default: off)")
     params_command = commands.add_parser("params", help="params.yaml: check it, or switch profile")
     params_command.add_argument("action", choices=["check", "use"])
     params_command.add_argument("profile", nargs="?", help="for `use`: quick, cpu, gpu (profiles/NAME.yaml) or a path")
 
     args = parser.parse_args(argv)
+    # `kill` (SIGTERM) ends the command as Ctrl-C does, through finally blocks and atexit: browsers and engine
+    # processes are closed, checkpoints stay whole. Unhandled, it would leave a browser running.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _command(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command in ("stage", "flow") and args.name in RENAMED:
         print(f"warning: the stage {args.name!r} is deprecated, renamed {RENAMED[args.name]!r}; the old name goes in "
               "the next release", file=sys.stderr)
@@ -75,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
               "its stages and flows would run other code than they record. Install this checkout "
               "(`make setup` or `pip install -e .`), or run with PYTHONPATH=$PWD", file=sys.stderr)
         return EXIT_UNUSABLE
+    if args.command == "simulator" and args.action == "serve":  # a bundle is all it needs: no project here
+        return _serve_simulator(args)
     try:
         params = load_params(args.params, _overrides(args.set))
     except ParamsError as error:
@@ -101,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         return _artifacts(args, params)
     if args.command == "study":
         return _study_report(params)
+    if args.command == "coverage":
+        return _coverage(args, params)
+    if args.command == "simulator":
+        return _export_simulator(args, params)
     if args.action == "use":
         from components.config import use_profile
 
@@ -117,6 +157,77 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     print(f"{args.params}: ok")
     return EXIT_OK
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _coverage(args: argparse.Namespace, params) -> int:
+    from components.envs import miniwob_coverage as coverage
+
+    settings = params.environments.miniwob
+    names = args.tasks or coverage.task_names()
+    if unknown := sorted(set(names) - set(coverage.task_names())):
+        print(f"error: no MiniWoB task {', '.join(unknown)}; see `ls {coverage.HTML_DIR / 'miniwob'}`", file=sys.stderr)
+        return EXIT_UNUSABLE
+    report = Path("reports/miniwob_coverage.md")
+    rows = coverage.run_coverage(report.with_suffix(".jsonl"), names, episodes=settings.coverage_episodes,
+                                 max_steps=settings.max_steps, step_timeout_s=settings.step_timeout_s)
+    report.write_text("# MiniWoB++ coverage of the text interface\n\nMade by `dreamgym coverage miniwob`.\n\n"
+                      + coverage.coverage_markdown(rows, episodes=settings.coverage_episodes,
+                                                   max_steps=settings.max_steps), encoding="utf-8")
+    print(f"{report}: {len(rows)} tasks")
+    return EXIT_OK
+
+
+def _export_simulator(args: argparse.Namespace, params) -> int:
+    from components.simulator.bundle import BundleError, export_bundle, load_bundle
+
+    try:
+        bundle = load_bundle(export_bundle(params, Path("."), args.directory), verify=False)  # hashed as it was written
+    except BundleError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    manifest = bundle.manifest
+    print(f"{args.directory}: simulates {', '.join(bundle.environments)} over {manifest['tasks']} training tasks; "
+          f"{len(manifest['files'])} files; fidelity {json.dumps(manifest['fidelity'].get('seed_heldout', {}))}\n"
+          f"  gymnasium.make(\"components.simulator.gym_env:dreamgym/Simulator-v0\", bundle=\"{args.directory}\")")
+    return EXIT_OK
+
+
+def _serve_simulator(args: argparse.Namespace) -> int:
+    from components.simulator.bundle import BundleError
+    from components.simulator.server import serve
+
+    try:
+        serve(args.directory, host=args.host, port=args.port, max_sessions=args.max_sessions, backend=args.backend,
+              environment=args.environment, shadow=args.shadow)
+    except (BundleError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then passes Ctrl-C on
+        pass
+    except SystemExit as stop:  # the same for SIGTERM: how a server is stopped
+        if stop.code != 128 + signal.SIGTERM:
+            raise
+    return EXIT_OK
+
+
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a share between 0 and 1, e.g. 0.1 for one episode in ten")
+    return share
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return int(text)
 
 
 def _code_elsewhere() -> list[str]:

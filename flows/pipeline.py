@@ -37,10 +37,17 @@ def _env() -> dict[str, str]:
 def run_logged(command: list[str]) -> None:
     """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI)."""
     logger = get_run_logger()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    # errors="replace": a game engine may echo a byte that is not UTF-8 (dumb-frotz on a policy's odd command)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace", env=_env())
     assert process.stdout is not None
-    for line in process.stdout:
-        logger.info(line.rstrip())
+    try:
+        for line in process.stdout:
+            logger.info(line.rstrip())
+    except BaseException:  # the task stops: so does the command, or it would run on beside the next one
+        process.kill()
+        process.wait()
+        raise
     if process.wait() != 0:
         raise RuntimeError(f"{' '.join(command)} exited {process.returncode}; its output is in the log above")
 

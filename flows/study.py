@@ -3,7 +3,7 @@ the table.
 
 Thin, like flows/pipeline.py: DVC reruns only what a variant's params change (the ablations reuse the cached
 warm start, sim-to-real variants the cached synthetic RL), each finished run's metrics are kept in
-`study.results_dir/<variant>-seed<k>/` so a rerun skips it, and the report is a Prefect artifact.
+`study.results_dir/<environment>/<variant>-seed<k>/` so a rerun skips it, and the report is a Prefect artifact.
 """
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from components.config import active_profile, load_params
+from components.config import ParamsError, active_profile, load_params
 from components.results import study
 from flows.pipeline import PARAMS, run_logged
+from stages import sim_to_real
 from stages.common import StageError
+from stages.correction_rounds import round_path
 
 # The user's params.yaml while a run's overrides are in it: a study killed mid-run (a session's end, a crash) would
 # otherwise leave them there, and every later run would inherit them (an ablation would train the killed run's
@@ -36,8 +38,9 @@ def restore_params() -> bool:
 
 
 @task(task_run_name="{name}")
-def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
-    """One pipeline run with `overrides` up to evaluate_policies; its metrics and record are kept in `run_dir`."""
+def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluated_in: Path | None = None) -> None:
+    """One pipeline run with `overrides` up to the stage `target`; its metrics (from the stage root `evaluated_in`
+    where it is not the project's) and record are kept in `run_dir`."""
     original, profile = Path(PARAMS).read_text(encoding="utf-8"), active_profile(PARAMS)  # before the overrides
     PARAMS_BACKUP.parent.mkdir(parents=True, exist_ok=True)
     partial = PARAMS_BACKUP.with_suffix(".partial")
@@ -46,13 +49,13 @@ def run_variant(name: str, overrides: dict, run_dir: Path) -> None:
     started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
         run_logged(["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}"
-                                            for key, value in overrides.items()], "evaluate_policies"])
+                                            for key, value in overrides.items()], target])
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
         PARAMS_BACKUP.unlink(missing_ok=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     study.keep_run(run_dir, {"run": name, "params_set": overrides, "profile": profile, "commit": commit,
-                             "seconds": round(time.monotonic() - started, 1)})
+                             "seconds": round(time.monotonic() - started, 1)}, evaluated_in=evaluated_in)
 
 
 @task
@@ -78,15 +81,29 @@ def results_study_flow() -> dict:
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
     failed = []
-    for seed in settings.seeds:
-        for variant in study.select_variants(tuple(settings.algorithms), settings.variants):
-            name, run_dir = f"{variant.name}-seed{seed}", results_dir / f"{variant.name}-seed{seed}"
-            overrides = study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share)
-            if study.is_finished(run_dir, profile, overrides):
-                continue
-            state = run_variant(name, overrides, run_dir, return_state=True)
-            if not state.is_completed():
-                failed.append(name)
+    # one experience model and one policy per environment: each run trains on one, its folder under the environment's
+    runs = [(environment, seed, variant) for environment in settings.environments for seed in settings.seeds
+            for variant in study.select_variants(tuple(settings.algorithms), settings.variants)]
+    for environment, seed, variant in runs:
+        name = f"{environment}/{variant.name}-seed{seed}"
+        run_dir = results_dir / name
+        if variant.target == "correction_rounds" and not params.correction.rounds:
+            get_run_logger().warning("%s: not run, correction.rounds is 0", name)
+            continue
+        try:
+            overrides = study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share,
+                                            params.correction.rounds, sim_to_real.iteration_cost(params),
+                                            environment, params.policy.max_turns)
+        except ParamsError as error:  # a row this budget cannot pay for: the others still run
+            get_run_logger().warning("%s: not run: %s", name, error)
+            failed.append(f"{name} (not run: {error})")
+            continue
+        if study.is_finished(run_dir, profile, overrides):
+            continue
+        evaluated_in = round_path(params) if variant.target == "correction_rounds" else None
+        state = run_variant(name, overrides, run_dir, variant.target, evaluated_in, return_state=True)
+        if not state.is_completed():
+            failed.append(name)
     metrics = report(results_dir, confidence, tuple(settings.algorithms))
     if failed:
         raise StageError(f"results study: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are above; "

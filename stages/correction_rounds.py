@@ -9,7 +9,9 @@ with `correction.feedback`, the round's on-policy trajectories onboarded beside 
 for a user's data), annotate, index_buffer and train_experience_model continued from the current experience model
 (`correction.training_steps`), and evaluate_experience_model: fidelity on the current policy's own play of held-out
 games. `feedback: false` spends the
-same rounds and real budget with nothing fed back (DreamGym-S2R), for the comparison.
+same rounds and real budget with nothing fed back (DreamGym-S2R), for the comparison. `sim_to_real: last_round` runs
+sim-to-real once, in the last round (DreamGym-S2R's shape at its budget): the earlier rounds' policy is their synthetic
+RL policy and their on-policy data is the replay audit's alone.
 
 A finished round is kept (its `round.json`) and a rerun goes on from the next; a round cut short resumes its
 unfinished steps (each keeps its own checkpoints). Rounds made under other settings or inputs are discarded.
@@ -41,6 +43,7 @@ from stages import (
     synthetic_rl,
     train_experience_model,
 )
+from stages.common import StageError
 
 log = logging.getLogger(__name__)
 # what a round reads (the keys of `current`) and where a corrected round keeps its own, under its directory
@@ -60,13 +63,18 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     out = root / settings.out_dir
     if settings.rounds == 0:
         return _skipped(params, root, "correction.rounds is 0")
+    if settings.real_transitions < (cost := sim_to_real.iteration_cost(params)):
+        raise StageError(f"correction.real_transitions {settings.real_transitions} pays for no sim-to-real iteration "
+                         f"(one costs up to {cost}: sim_to_real.tasks_per_iteration x "
+                         "group_size x policy.max_turns), so the rounds would never leave the warm start: raise it, or "
+                         "lower those")
     raw = params.model_dump()
     current = {key: root / get_dotted(raw, section) for key, section in READ_FROM.items()}
     fingerprint = _fingerprint(raw, current)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for number in range(1, settings.rounds + 1):
-        round_dir = out / "rounds" / f"round_{number}"
+        round_dir = round_path(params, root, number)
         if discard_unless_stamped(round_dir, f"{fingerprint} round {number}", round_dir / "STAMP"):
             log.info("round %d: discarded work of other settings or inputs", number)
         finished = round_dir / ROUND_FILE
@@ -76,7 +84,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         else:
             row = play_round(params, root, round_dir, number, current, rows)
             finished.write_text(json.dumps(row, indent=1), encoding="utf-8")
-        current = after_round(current, round_dir, settings.feedback)
+        current = after_round(current, round_dir, settings.feedback, round_policy(params, number))
         rows.append(row)
         elapsed = time.monotonic() - started
         print(f"[correction_rounds] round {number}/{settings.rounds} done: {row['real_transitions_total']} real "
@@ -87,7 +95,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     _replace_dir(current["policy"] / "model", out / "model")
     _replace_dir(current["experience"] / "model", out / "experience_model")
     played = [t for number in range(1, settings.rounds + 1)
-              for t in read_trajectories(out / "rounds" / f"round_{number}" / ON_POLICY)]
+              for t in read_trajectories(round_path(params, root, number) / ON_POLICY)]
     write_trajectories(played, out / ON_POLICY)
     write_csv(rows, root / "metrics" / "correction_rounds.csv")
     line_plot(rows, "round", ["on_policy_false_win_rate", "confirmed_share", "heldout_success"],
@@ -95,15 +103,27 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                                                                 else " (no feedback)"))
     last = rows[-1]
     metrics = {"rounds": len(rows), "feedback": settings.feedback, "real_transitions": last["real_transitions_total"],
+               "synthetic_transitions": sum(row["synthetic_transitions"] for row in rows),
                "on_policy_transitions": sum(len(t.steps) for t in played),
                "final": {key: last[key] for key in ("on_policy_false_win_rate", "confirmed_wins", "synthetic_wins",
                                                     "heldout_success")},
                "first": {key: rows[0][key] for key in ("on_policy_false_win_rate", "heldout_success")},
                "seconds": round(sum(row["minutes"] for row in rows) * 60, 1)}
-    metrics["against_warm_start"] = against_warm_start(root / GAMES_FILE, out / "rounds" / f"round_{len(rows)}"
-                                                       / GAMES_FILE)
+    metrics["against_warm_start"] = against_warm_start(root / GAMES_FILE, round_path(params, root) / GAMES_FILE)
     write_stage_outputs("correction_rounds", metrics, report(params, rows, metrics["against_warm_start"]), root)
     return metrics
+
+
+def round_path(params: Params, root: str | Path = ".", number: int | None = None) -> Path:
+    """Round `number`'s directory; by default the last round's, whose policy is the result and plays every held-out
+    game."""
+    return Path(root) / params.correction.out_dir / "rounds" / f"round_{number or params.correction.rounds}"
+
+
+def round_policy(params: Params, number: int) -> str:
+    """The stage whose policy round `number` ends with: sim_to_real, or synthetic_rl in a round without sim-to-real."""
+    settings = params.correction
+    return "sim_to_real" if settings.sim_to_real == "every_round" or number == settings.rounds else "synthetic_rl"
 
 
 def against_warm_start(warm_games: Path, final_games: Path) -> dict[str, dict[str, Any]]:
@@ -127,38 +147,44 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
                earlier: list[dict[str, Any]]) -> dict[str, Any]:
     """One round in `round_dir`, from the `current` policy, experience model, data and buffer; its row."""
     settings, started = params.correction, time.monotonic()
+    policy_stage = round_policy(params, number)
     # What the round reads, as absolute paths; what it writes, relative: under round_dir, the steps' root.
     reading = _reading(root, params, current)
     playing = overridden(params, {**reading, "synthetic_rl.out_dir": "synthetic_rl",
                                   "synthetic_rl.iterations": settings.synthetic_iterations,
                                   "sim_to_real.out_dir": "sim_to_real", "sim_to_real.start_from": "synthetic_rl",
                                   "sim_to_real.real_transitions": settings.real_transitions,
-                                  "evaluate.policies": ["sim_to_real"],
+                                  "evaluate.policies": [policy_stage],
+                                  "evaluate.replay_audit": False,  # the round's own, within replay_transitions
                                   # the last round's policy is the result: it plays every held-out game
                                   "policy.eval_tasks": params.policy.eval_tasks if number == settings.rounds
                                   else min(settings.heldout_games, params.policy.eval_tasks)})
     print(f"[correction_rounds] round {number}/{settings.rounds}: synthetic RL from {current['policy']} with the "
           f"experience model of {current['experience']}")
     synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir))
-    real = _step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir))
+    real = (_step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir))
+            if policy_stage == "sim_to_real" else {"real_transitions_used": 0})
     evaluated = _step(round_dir, "evaluate_policies", lambda: evaluate_policies.run(playing, round_dir))
     audit, replays = replay_audit(playing, round_dir)
 
     # On-policy data: sim-to-real's episodes and the replays of synthetic episodes, all on training tasks
-    on_policy = read_trajectories(round_dir / "sim_to_real" / ON_POLICY) + replays
+    on_policy = (read_trajectories(round_dir / "sim_to_real" / ON_POLICY) if policy_stage == "sim_to_real" else []) \
+        + replays
     write_trajectories(on_policy, round_dir / ON_POLICY)
     quarantined = 0
     if settings.feedback:
         quarantined = correct(params, root, round_dir, current)
     # the experience model the next round uses, on the current policy's own play of held-out games
-    measuring = overridden(params, _reading(root, params, after_round(current, round_dir, settings.feedback)))
+    measuring = overridden(params, _reading(root, params, after_round(current, round_dir, settings.feedback,
+                                                                       policy_stage)))
     fidelity = _step(round_dir, "evaluate_experience_model",
                      lambda: evaluate_experience_model.run(measuring, round_dir))
 
     audit = audit.values()
     on_policy_model = fidelity.get("on_policy", {}).get("experience model", {}).get("overall", {})
     spent = real["real_transitions_used"] + sum(len(t.steps) for t in replays)
-    heldout = [entry["success_rate"] for key, entry in evaluated.get("sim-to-real", {}).items()
+    evaluated_as = "sim-to-real" if policy_stage == "sim_to_real" else f"synthetic_{params.synthetic_rl.algorithm}"
+    heldout = [entry["success_rate"] for key, entry in evaluated.get(evaluated_as, {}).items()
                if isinstance(entry, dict) and "success_rate" in entry]
     wins, confirmed = sum(a["synthetic_successes"] for a in audit), sum(a["both"] for a in audit)
     unrewarded = on_policy_model.get("unrewarded_n", 0)
@@ -182,16 +208,18 @@ def replay_audit(params: Params, round_dir: Path) -> tuple[dict[str, Any], list]
     kept, replayed = round_dir / "replay_audit.json", round_dir / "replays.jsonl"
     if not kept.is_file():
         environments = [name for name in params.policy.environments if has_adapter(name)]
-        audit, replays, _ = evaluate_policies.replay_synthetic_episodes(params, round_dir, environments)
+        audit, replays, _ = evaluate_policies.replay_synthetic_episodes(params, round_dir, environments,
+                                                                        params.correction.replay_transitions)
         write_trajectories([t for t in replays if not is_heldout_game(t.task.environment, t.task.parameters)],
                            replayed)
         kept.write_text(json.dumps(audit, indent=1), encoding="utf-8")
     return json.loads(kept.read_text(encoding="utf-8")), read_trajectories(replayed)
 
 
-def after_round(current: dict[str, Path], round_dir: Path, feedback: bool) -> dict[str, Path]:
-    """What the next round reads: this round's policy, and with feedback its corrected data, buffer and model."""
-    return {**current, "policy": round_dir / "sim_to_real",
+def after_round(current: dict[str, Path], round_dir: Path, feedback: bool, policy_stage: str) -> dict[str, Path]:
+    """What the next round reads: this round's policy (of `policy_stage`), and with feedback its corrected data,
+    buffer and model."""
+    return {**current, "policy": round_dir / policy_stage,
             **({key: round_dir / name for key, name in CORRECTED.items()} if feedback else {})}
 
 
@@ -265,8 +293,12 @@ def report(params: Params, rows: list[dict[str, Any]], paired: dict[str, dict[st
     settings = params.correction
     return (f"# Correction rounds ({'with' if settings.feedback else 'without'} feedback)\n\n"
             f"{len(rows)} rounds from the warm start, each {settings.synthetic_iterations} synthetic RL iteration(s), "
-            f"then sim-to-real on training tasks ({settings.real_transitions} real transitions) and the replay audit "
-            "(synthetic episodes replayed in the real games, their transitions counted on top), then "
+            + (f"then sim-to-real on training tasks ({settings.real_transitions} real transitions) and "
+               if settings.sim_to_real == "every_round" else
+               f"then sim-to-real on training tasks in the last round only ({settings.real_transitions} real "
+               "transitions; the earlier rounds' policy is their synthetic RL policy) and, every round, ")
+            + "the replay audit (synthetic episodes replayed in the real games, their transitions counted on top), "
+            "then "
             + (f"the round's on-policy trajectories onboarded beside the seed, the buffer re-indexed and the "
                f"experience model trained {settings.training_steps} more steps (on-policy data weighted "
                f"{params.experience_model.policy_repeats}x). " if settings.feedback else

@@ -100,7 +100,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                       params.experience_model.inference.max_new_tokens)
         metrics["experience_model"] = simulator_stats.as_dict()
     replay_rows = []
-    if rl_label in candidates:
+    if rl_label in candidates and params.evaluate.replay_audit:
         metrics["synthetic_replay"], replays, replay_rows = replay_synthetic_episodes(params, root, environments)
         episodes += replays
     # What the RL policies saw, read from the iteration log saved with each model (a checkpoint's too), so it is
@@ -113,10 +113,12 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     return metrics
 
 
-def replay_synthetic_episodes(params: Params, root: Path,
-                              environments: list[str]) -> tuple[dict[str, Any], list[Trajectory], list[list]]:
+def replay_synthetic_episodes(params: Params, root: Path, environments: list[str], max_transitions: int | None = None,
+                              ) -> tuple[dict[str, Any], list[Trajectory], list[list]]:
     """Synthetic RL's episodes on real training tasks, replayed action by action in the real environment: how many
-    synthetic wins the application confirms (metrics, the replays, a report row per environment)."""
+    synthetic wins the application confirms (metrics, the replays, a report row per environment). With
+    `max_transitions`, the replays spend at most that many real transitions, synthetic wins first: they are what the
+    audit asks about."""
     buffer_dir = Path(params.synthetic_rl.out_dir) / "replay_buffer"  # under root, as saved_buffer takes it
     if not (root / buffer_dir).is_dir():
         return {}, [], []
@@ -129,6 +131,8 @@ def replay_synthetic_episodes(params: Params, root: Path,
     for name in environments:
         synthetic, unreplayable = episodes_from_buffer([r for r in records if r.environment == name], tasks,
                                                        success_rewards(params, root).get(name))
+        if max_transitions is not None:
+            synthetic = wins_first_within(synthetic, max_transitions - sum(len(t.steps) for t in replays))
         real = replay_in_real(real_environment(name), params.environments, synthetic)
         metrics[name] = {**outcome_agreement(synthetic, real), "unreplayable": unreplayable}
         replays += real
@@ -136,6 +140,16 @@ def replay_synthetic_episodes(params: Params, root: Path,
         rows.append([name, m["episodes"], m["synthetic_successes"], m["both"], m["synthetic_only"], m["real_only"],
                      unreplayable])
     return metrics, replays, rows
+
+
+def wins_first_within(episodes: list[Trajectory], budget: int) -> list[Trajectory]:
+    """The episodes whose actions fit in `budget` steps together, wins first, otherwise in order."""
+    chosen = []
+    for episode in sorted(episodes, key=lambda t: not t.success):
+        if len(episode.steps) <= budget:
+            chosen.append(episode)
+            budget -= len(episode.steps)
+    return chosen
 
 
 def provenance(logs: dict[str, list[dict[str, Any]]], rl_label: str) -> str:

@@ -8,19 +8,39 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from components.builders import curriculum_settings, policy_format, policy_trajectories, rl_settings, run_identity
+from components.builders import (
+    curriculum_settings,
+    curve_probe,
+    policy_format,
+    policy_trajectories,
+    rl_settings,
+    run_identity,
+)
 from components.config import Params
 from components.data.contract import ON_POLICY, write_trajectories
 from components.envs.registry import has_adapter, real_environment
 from components.reports import line_plot, markdown_table, write_csv, write_stage_outputs
 from components.rl.curriculum import Curriculum
-from components.rl.loop import iterations_within_budget, kept_episodes
+from components.rl.loop import RLSettings, iterations_within_budget, kept_episodes
 from components.rl.rollouts import RealBatch
 
 log = logging.getLogger(__name__)
 # the iteration log's columns in the report's table
-SHOWN = ["iteration", "reward_mean", "success_rate", "kl", "turns_mean", "env_transitions", "env_failures",
-         "policy_generation_s", "environment_s", "optimisation_s"]
+SHOWN = ["iteration", "reward_mean", "success_rate", "heldout_success", "kl", "turns_mean", "env_transitions",
+         "env_failures", "policy_generation_s", "environment_s", "optimisation_s"]
+
+
+def real_rl_settings(params: Params) -> RLSettings:
+    settings = params.sim_to_real
+    return dataclasses.replace(rl_settings(params), iterations=settings.max_iterations,
+                               tasks_per_iteration=settings.tasks_per_iteration, group_size=settings.group_size,
+                               learning_rate=settings.learning_rate)
+
+
+def iteration_cost(params: Params) -> int:
+    """The real transitions one sim-to-real iteration may spend (every episode to the turn limit): a budget below it
+    pays for none."""
+    return real_rl_settings(params).transitions_per_iteration
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -32,14 +52,12 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     tasks = sorted({t.task.task_id: t.task for t in policy_trajectories(params, root, heldout=False)
                     if has_adapter(t.task.environment)}.values(), key=lambda task: task.task_id)
     skipped = [name for name in params.policy.environments if not has_adapter(name)]
-    rl = dataclasses.replace(rl_settings(params), iterations=settings.max_iterations,
-                             tasks_per_iteration=settings.tasks_per_iteration, group_size=settings.group_size,
-                             learning_rate=settings.learning_rate)
+    rl = real_rl_settings(params)
     iterations = iterations_within_budget(rl, settings.real_transitions)
     why_not = ("no environment of policy.environments has a real-environment adapter (a seed-only domain)"
                if not tasks else
                f"a budget of {settings.real_transitions} real transitions pays for no iteration (one costs up to "
-               f"{rl.episodes_per_iteration * rl.max_turns}: tasks_per_iteration x group_size x policy.max_turns)"
+               f"{rl.transitions_per_iteration}: tasks_per_iteration x group_size x policy.max_turns)"
                if iterations == 0 else None)
     if why_not is not None:
         log.warning("sim_to_real skipped: %s", why_not)
@@ -64,7 +82,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     result = train(str(root / start / "model"), Curriculum(tasks, curriculum_settings(params, enabled=False)),
                    lambda: RealBatch(lambda task: real_environment(task.environment).open(params.environments)),
                    None, policy_format(params), rl, root / settings.out_dir, cache_dir=root / params.models.cache_dir,
-                   environment=run_identity(params.environments))
+                   environment=run_identity(params.environments), curve=curve_probe(params))
     rows = result.log
     used = sum(row["env_transitions"] for row in rows)
     if used > settings.real_transitions:  # cannot happen: iterations_within_budget charges every worst case
@@ -72,7 +90,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     write_csv(rows, root / "metrics" / "sim_to_real_iterations.csv")
     played = kept_episodes(root / settings.out_dir)
     write_trajectories(played, root / settings.out_dir / ON_POLICY)
-    line_plot(rows, "iteration", ["reward_mean", "success_rate", "kl", "env_transitions"],
+    line_plot(rows, "iteration", ["reward_mean", "success_rate", "heldout_success", "kl", "env_transitions"],
               root / "reports" / "sim_to_real.png", f"Sim-to-real {params.synthetic_rl.algorithm.upper()}")
     metrics = {"skipped": skipped, "start_from": settings.start_from, "algorithm": params.synthetic_rl.algorithm,
                "iterations": result.iterations, "real_transitions_budget": settings.real_transitions,
@@ -97,7 +115,7 @@ def report(params: Params, metrics: dict[str, Any], rows: list[dict[str, Any]], 
             f"{metrics['iterations']} iterations in the real environments ({tasks} training tasks, "
             f"{rl.tasks_per_iteration} per iteration x {rl.group_size} episodes, at most {rl.max_turns} turns) used "
             f"**{metrics['real_transitions_used']} real transitions** of a budget of {settings.real_transitions} "
-            f"(each iteration is charged its worst case, {rl.episodes_per_iteration * rl.max_turns}, before it runs). "
+            f"(each iteration is charged its worst case, {rl.transitions_per_iteration}, before it runs). "
             f"Wall time {seconds:.0f} s. {metrics['env_failures']} episode(s) ended by an environment failure (a hung "
             "or crashed engine or browser): counted in `env_failures`, left out of success and reward, given no "
             "advantage.\n\n![learning curves](sim_to_real.png)\n\n"

@@ -6,6 +6,7 @@ from typing import Any
 
 from components.builders import (
     curriculum_and_writer,
+    curve_probe,
     fallback_budget,
     policy_format,
     rl_settings,
@@ -22,9 +23,9 @@ from components.simulator.replay_buffer import run_collection_name
 from stages.common import StageError
 
 # the iteration log's columns in the report's table
-SHOWN = ["iteration", "reward_mean", "success_rate", "kl", "entropy", "turns_mean", "policy_tokens_mean",
-         "synthetic_transitions", "generated_tasks_played", "generated_tasks", "policy_generation_s",
-         "environment_s", "curriculum_s", "optimisation_s"]
+SHOWN = ["iteration", "reward_mean", "success_rate", "heldout_success", "kl", "entropy", "turns_mean",
+         "policy_tokens_mean", "synthetic_transitions", "generated_tasks_played", "generated_tasks",
+         "policy_generation_s", "environment_s", "curriculum_s", "optimisation_s"]
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -61,13 +62,14 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
 
     result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
                    rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
-                   generator=generator, environment=simulator)
+                   generator=generator, environment=simulator, curve=curve_probe(params))
     budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
     buffer.save(root / settings.out_dir / "replay_buffer")
     curriculum.write_tasks(root / settings.out_dir / "generated_tasks.jsonl")
     rows = result.log
     write_csv(rows, root / "metrics" / "synthetic_rl_iterations.csv")
-    curves = ["reward_mean", "success_rate", "kl", "entropy", "reward_variance_mean", "generated_tasks"]
+    curves = ["reward_mean", "success_rate", "heldout_success", "kl", "entropy", "reward_variance_mean",
+              "generated_tasks"]
     line_plot(rows, "iteration", curves, root / "reports" / "synthetic_rl.png",
               f"{settings.algorithm.upper()} in the synthetic environment")
     metrics = {"algorithm": settings.algorithm, "iterations": result.iterations, "tasks": len(tasks),

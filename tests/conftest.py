@@ -65,7 +65,8 @@ def settings_from_params(kind: str, **overrides: Any) -> Any:
 def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     """Run a command with the venv's scripts on PATH, as a user in the project would."""
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
+    # errors="replace": a game engine may print a byte that is not UTF-8
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, errors="replace")
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result

@@ -28,6 +28,7 @@ from components.results.evaluation import (
 from components.results.study import read_games, sign_test
 from components.simulator.replay_buffer import Retrieved
 from components.simulator.synthetic import episodes_from_buffer
+from stages.evaluate_policies import wins_first_within
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository's own game cache: games are deterministic in their parameters, so tests share them.
@@ -144,6 +145,11 @@ def test_synthetic_episodes_replayed_in_the_real_game_confirm_or_refute_their_wi
     assert outcome_agreement(synthetic, real) == {"episodes": 3, "env_failures": 0, "synthetic_successes": 2,
                                                   "real_successes": 2, "both": 1, "synthetic_only": 1, "real_only": 1}
     assert not engine_children()
+    # a replay budget (the correction rounds'): synthetic wins first, each episode whole or not at all
+    lengths = [len(e.steps) for e in synthetic]
+    assert wins_first_within(synthetic[::-1], sum(lengths)) == synthetic[1::-1] + synthetic[2:]
+    assert wins_first_within(synthetic, lengths[0] + lengths[1] - 1) == [synthetic[0]]
+    assert wins_first_within(synthetic, lengths[0] - 1) == ([synthetic[1]] if lengths[1] < lengths[0] else [])
 
 
 def test_an_engine_that_dies_mid_episode_is_counted_apart_not_as_a_loss(textworld, tmp_path) -> None:

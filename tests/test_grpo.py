@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from components.builders import curve_probe
+from components.config import overridden
 from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl.curriculum import Curriculum
@@ -16,7 +18,7 @@ from components.rl.loop import CURRICULUM_FILE, LOG_FILE, kept_episodes, read_it
 from components.rl.rollouts import SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
-from tests.conftest import settings_from_params
+from tests.conftest import repo_params, settings_from_params
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend, ScriptedTaskWriter
 
@@ -157,3 +159,28 @@ def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_p
                        cache_dir=tmp_path, generator=again_writer)
     assert again.resumed_from and not again_writer.calls
     assert [t.task_id for t in curriculum.generated] == [t["task_id"] for t in state["generated"]]
+
+
+def test_a_learning_curve_measures_heldout_success_in_real_games_and_changes_no_training(policy_dir, tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    params = overridden(repo_params(), {"environments.textworld.cache_dir": str(repo / ".cache" / "textworld"),
+                                        "policy.environments": [ENV], "policy.max_turns": 2,
+                                        "evaluate.curve_every": 2, "evaluate.curve_games": 2})
+    curve = curve_probe(params)
+    settings = replace(SETTINGS, iterations=3)
+    plain = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None, POLICY_FORMAT, settings,
+                       tmp_path / "plain", cache_dir=tmp_path)
+    measured = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None, POLICY_FORMAT, settings,
+                          tmp_path / "curve", cache_dir=tmp_path, curve=curve)
+
+    assert all("heldout_success" not in row for row in plain.log)
+    # every curve_every iterations and after the last: held-out success of greedy play on 2 real games, and its time
+    assert [("heldout_success" in row, "curve_s" in row) for row in measured.log] == [(False, False), (True, True),
+                                                                                       (True, True)]
+    assert all(row["heldout_success"] in (0.0, 0.5, 1.0) and row["curve_s"] > 0 for row in measured.log[1:])
+    # it only measures: the same episodes were played and the same updates made
+    def played(out: Path) -> list:
+        return [(t.task.task_id, [step.action for step in t.steps]) for t in kept_episodes(out)]
+
+    assert played(tmp_path / "curve") == played(tmp_path / "plain")
+    assert [row["loss"] for row in measured.log] == pytest.approx([row["loss"] for row in plain.log])

@@ -5,7 +5,12 @@ browsers at a time.
 """
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,6 +100,68 @@ def test_state_is_compact_text_that_round_trips(env):
     assert any(e.tag == "input_password" and e.value == "" for e in elements)
 
 
+def test_a_list_shows_its_options_and_select_chooses_one(env):
+    state = env.reset(_task("choose-list", 1001)).state
+    utterance, elements = parse_state(state)
+    assert render_state(utterance, elements) == state
+    options = next(e for e in elements if e.tag == "select")
+    button = next(e for e in elements if e.tag == "button")
+    assert len(options.options) >= 3 and options.value in options.options
+    for action in (f'select [{options.ref}] "no such option"', f'select [{button.ref}] "Submit"',
+                   f"select [{options.ref}]"):
+        result = env.step(action)
+        assert result.info["valid_action"] is False and not result.done, action
+    assert "its options: " in env.step(f'select [{options.ref}] "nope"').info["error"]
+    wanted = next(option for option in options.options if option != options.value)
+    after = parse_state(env.step(f'select [{options.ref}] "{wanted}"').observation.state)[1]
+    assert next(e for e in after if e.tag == "select").value == wanted
+    tasks = make_tasks("heldout", 3, seed=3, task_names=["choose-list"], env=env)
+    assert all(run_episode(env, t, expert_policy(), max_steps=4, trajectory_id=t.task_id, source="expert").success
+               for t in tasks)
+
+
+def test_coloured_blocks_and_svg_shapes_show_their_colour_and_size(env):
+    state = env.reset(_task("click-shades", 1003)).state
+    utterance, elements = parse_state(state)
+    assert render_state(utterance, elements) == state
+    blocks = [e for e in elements if e.tag == "span"]
+    assert len(blocks) >= 6 and all(re.fullmatch(r"#[0-9a-f]{6} \((red|green|blue)\)", e.color) for e in blocks)
+    wanted = re.search(r"shades of (\w+)", utterance)[1]
+    for block in [e for e in blocks if e.color.endswith(f"({wanted})")]:
+        env.step(f"click [{block.ref}]")
+    assert env.step(f"click [{next(e.ref for e in elements if e.tag == 'button')}]").info["success"]
+
+    shapes = parse_state(env.reset(_task("click-shape", 1003)).state)[1]
+    assert all(e.color and re.fullmatch(r"\d+x\d+", e.size) for e in shapes if e.tag in ("circle", "rect", "text"))
+    assert any(e.size for e in shapes)
+
+
+def test_coverage_counts_what_the_state_shows_keeps_rows_and_goes_on(env, tmp_path, monkeypatch):
+    from components.envs import miniwob as miniwob_module
+    from components.envs.miniwob_coverage import coverage_markdown, read_rows, run_coverage
+
+    env.reset(_task("choose-list", 1002))
+    assert env.interactive_coverage() == (2, [])  # the list and the button
+    shown = miniwob_module._elements_from_dom  # as before lists were read: the state had no line for the list
+    monkeypatch.setattr(miniwob_module, "_elements_from_dom",
+                        lambda *args: [element for element in shown(*args) if element.tag != "select"])
+    env.reset(_task("choose-list", 1002))
+    assert env.interactive_coverage() == (1, ["select"])
+    monkeypatch.undo()
+
+    rows_file = tmp_path / "coverage.jsonl"
+    first = run_coverage(rows_file, ["choose-list", "click-button"], episodes=1, max_steps=5, step_timeout_s=10)
+    assert [(r.task, r.reset_error, r.shown == r.interactive > 0, r.policy, r.wins) for r in first] == [
+        ("choose-list", "", True, "expert", 1), ("click-button", "", True, "expert", 1)]
+    kept = rows_file.read_text()
+    rows = run_coverage(rows_file, ["choose-list", "click-button", "drag-box"], episodes=1, max_steps=5,
+                        step_timeout_s=10)
+    assert rows_file.read_text().startswith(kept) and len(read_rows(rows_file)) == 3
+    assert rows[2].task == "drag-box" and rows[2].policy == "random" and rows[2].episodes == 1
+    table = coverage_markdown(rows, episodes=1, max_steps=5)
+    assert table.startswith("3 tasks: 3 reset") and "| choose-list | ok | 2/2 |  | expert | 1/1 |" in table
+
+
 def test_invalid_actions_fail_softly(env):
     state = env.reset(_task("enter-text", 3)).state
     _, elements = parse_state(state)
@@ -170,7 +237,9 @@ def test_a_browser_gone_mid_episode_or_at_reset_is_an_environment_failure(monkey
         assert result.done and not result.info["success"] and result.info["truncated"]
         assert result.info[ENV_FAILURE].startswith("browser error:") and "Error: browser error" in \
             result.observation.state
-        monkeypatch.setattr(mw, "RESET_TIMEOUT_S", 0.001)  # no page loads that fast: both tries of the reset fail
+        # a page that never loads: both tries of the reset time out (a tiny timeout alone raced a fast page on CI)
+        monkeypatch.setattr(mw, "RESET_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(mw.MiniWoB, "_start_episode", lambda self, gym, seed: time.sleep(30))
         failed = run_episode(env, task, expert_policy(), max_steps=3, trajectory_id="t", source="expert")
         assert "the browser failed at reset: StepTimeout" in env_failure(failed) and len(failed.steps) == 1
         monkeypatch.undo()
@@ -195,4 +264,23 @@ def test_browser_is_gone_after_an_exception_mid_episode():
     leaked.reset(_task("click-button", 2))
     ours = _browser_pids() - before
     del leaked
+    assert not _running(ours)
+
+
+def test_a_killed_dreamgym_command_closes_its_browser(tmp_path):
+    """`kill` (SIGTERM) of a `dreamgym` command exits through atexit, which closes the browser it started."""
+    repo = Path(__file__).resolve().parents[1]
+    command = subprocess.Popen([sys.executable, "-m", "dreamgym.cli", "--params", str(repo / "params.yaml"),
+                                "coverage", "miniwob", "click-button", "choose-list", "enter-text", "login-user"],
+                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)})
+    deadline, ours = time.monotonic() + 60, set()
+    while not ours and time.monotonic() < deadline and command.poll() is None:
+        time.sleep(0.5)
+        ours = {p.pid for p in psutil.Process(command.pid).children(recursive=True) if p.name().startswith("chrom")}
+    assert ours, "the command started no browser"
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _running(ours) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not _running(ours)

@@ -9,7 +9,7 @@ import pytest
 from components.data.contract import read_trajectories
 from components.rl.loop import TIME_SPLIT
 from stages.common import STAGES
-from tests.conftest import SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
+from tests.conftest import REPO, SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +309,8 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
                            "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
                            "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
-                           "study.algorithms": ["grpo"], "study.variants": ["dreamgym-grpo", "no-curriculum"]})
+                           "study.environments": ["demo-kitchen"], "study.algorithms": ["grpo"],
+                           "study.variants": ["dreamgym-grpo", "no-curriculum"]})
     for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
         monkeypatch.setenv(variable, "study test")
     for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
@@ -322,20 +323,24 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     metrics = results_study_flow()
 
     results = onboarded / "reports" / "results_study"
-    assert sorted(p.name for p in results.iterdir() if p.is_dir()) == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
-    record = json.loads((results / "no-curriculum-seed0" / "run.json").read_text())
+    assert [p.name for p in results.iterdir() if p.is_dir()] == ["demo-kitchen"]  # a folder per environment
+    runs = sorted(p.name for p in (results / "demo-kitchen").iterdir())
+    assert runs == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
+    record = json.loads((results / "demo-kitchen" / "no-curriculum-seed0" / "run.json").read_text())
     assert record["params_set"]["synthetic_rl.curriculum.enabled"] is False and record["profile"] == "custom"
     assert record["seconds"] > 0 and len(record["commit"]) == 40
-    ablation = json.loads((results / "no-curriculum-seed0" / "evaluate_policies.json").read_text())
+    assert record["params_set"]["policy.environments"] == record["params_set"]["experience_model.environments"] == [
+        "demo-kitchen"]
+    ablation = json.loads((results / "demo-kitchen" / "no-curriculum-seed0" / "evaluate_policies.json").read_text())
     assert "synthetic_grpo" in ablation and "sft_warm_start" not in ablation  # only its row is played
-    games = (results / "no-curriculum-seed0" / "evaluate_policies_games.csv").read_text().splitlines()
+    games = (results / "demo-kitchen" / "no-curriculum-seed0" / "evaluate_policies_games.csv").read_text().splitlines()
     assert len(games) == 2 and games[1].startswith("synthetic_grpo,")  # its one held-out game, kept for pairing
     simulated = "demo-kitchen (simulated)"  # a seed-only domain: policies are scored inside the experience model
     # no DreamGym-S2R row: sim-to-real skips a domain with no real environment
     assert set(metrics) == {"SFT only", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum"}
     assert metrics["DreamGym (GRPO) w/o curriculum"][simulated]["episodes"] == 1
     readme = (results / "README.md").read_text()
-    assert "The curriculum helps" in readme and "| no-curriculum-seed0 | custom |" in readme
+    assert "The curriculum helps" in readme and "| demo-kitchen/no-curriculum-seed0 | custom |" in readme
     assert (results / "results_study_curves.png").stat().st_size > 1000
     assert (onboarded / "reports" / "results_study_curves.png").is_file()  # beside reports/results_study.md
     assert (onboarded / "params.yaml").read_text() == params_before
@@ -343,9 +348,9 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
         published = [a.data for a in client.read_artifacts() if a.key == "results-study"]
     assert published and "DreamGym (GRPO) w/o curriculum" in published[0]
 
-    kept = (results / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns
+    kept = (results / "demo-kitchen" / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns
     results_study_flow()  # every run is kept: nothing reruns
-    assert (results / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns == kept
+    assert (results / "demo-kitchen" / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns == kept
 
 
 def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypatch, prefect_server):
@@ -362,7 +367,8 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
     set_params(project, {"synthetic_rl.algorithm": "ppo", "sim_to_real.real_transitions": 33})
     monkeypatch.chdir(project)
 
-    with pytest.raises(StageError, match="2 run\\(s\\) failed: dreamgym-grpo-seed0, no-curriculum-seed0"):
+    with pytest.raises(StageError, match="2 run\\(s\\) failed: textworld-cooking/dreamgym-grpo-seed0, "
+                                         "textworld-cooking/no-curriculum-seed0"):
         results_study_flow()
 
     assert "from 0 finished runs" in (project / "reports" / "results_study" / "README.md").read_text()
@@ -413,10 +419,82 @@ def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_ro
     again = run("dreamgym", "stage", "correction_rounds", cwd=project)  # finished rounds are kept, not replayed
     assert again.stdout.count("finished before, kept") == 2
 
-    set_params(project, {"correction.feedback": False})  # other settings: the rounds are made again, uncorrected
+    # other settings: the rounds are made again, uncorrected, the replay audit within 3 real transitions a round
+    set_params(project, {"correction.feedback": False, "correction.replay_transitions": 3})
     run("dreamgym", "stage", "correction_rounds", cwd=project)
     assert not json.loads((project / "metrics" / "correction_rounds.json").read_text())["feedback"]
     assert not (rounds / "round_1" / "data").exists() and not (rounds / "round_2" / "experience").exists()
     for number in (1, 2):
         s2r = json.loads((rounds / f"round_{number}" / "metrics" / "sim_to_real.json").read_text())
         assert s2r["real_transitions_budget"] == 4
+        assert sum(len(t.steps) for t in read_trajectories(rounds / f"round_{number}" / "replays.jsonl")) <= 3
+
+    # DreamGym-S2R's shape: sim-to-real once, after the last round's synthetic RL; round 1 ends with its synthetic
+    # RL policy, and its real transitions are the replay audit's alone
+    set_params(project, {"correction.sim_to_real": "last_round"})
+    last = run("dreamgym", "stage", "correction_rounds", cwd=project)
+    with (project / "metrics" / "correction_rounds.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert not (rounds / "round_1" / "sim_to_real").exists()
+    assert (rounds / "round_2" / "metrics" / "sim_to_real.json").is_file()
+    assert f"round 2/2: synthetic RL from {rounds / 'round_1' / 'synthetic_rl'}" in last.stdout
+    replayed = read_trajectories(rounds / "round_1" / "replays.jsonl")
+    assert int(rows[0]["real_transitions"]) == sum(len(t.steps) for t in replayed) <= 3
+    evaluated = json.loads((rounds / "round_1" / "metrics" / "evaluate_policies.json").read_text())
+    assert "synthetic_grpo" in evaluated and "synthetic_replay" not in evaluated  # the round's audit is its own
+    assert rows[0]["heldout_success"] != ""
+
+
+def test_correction_rounds_refuse_a_round_budget_that_pays_for_no_sim_to_real_iteration(tmp_path):
+    """Else every round's sim-to-real would be skipped and the next round would find no policy to start from."""
+    from components.config import load_params
+    from stages import correction_rounds, sim_to_real
+    from stages.common import StageError
+
+    cost = sim_to_real.iteration_cost(load_params(REPO / "params.yaml"))
+    params = load_params(REPO / "params.yaml", {"correction.rounds": 2, "correction.real_transitions": cost - 1})
+    with pytest.raises(StageError, match=f"real_transitions {cost - 1} pays for no sim-to-real iteration .*{cost}"):
+        correction_rounds.run(params, tmp_path)
+    assert not (tmp_path / "models").exists()  # refused before any work
+
+
+@pytest.mark.slow  # a DreamGym run and a correction run of the study on real TextWorld games, ~10 minutes here
+def test_results_study_runs_the_correction_row_at_dreamgym_s2rs_budget(project, monkeypatch, prefect_server,
+                                                                         tiny_model_dir):
+    """The study's s2r-correction variant: a `dvc exp run ... correction_rounds` whose pipeline stages DVC restores
+    from the DreamGym run of its seed, kept from its last round, and paired with DreamGym-S2R in its claim."""
+    from flows.study import results_study_flow
+
+    set_params(project, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
+                         **tiny_policy(tiny_model_dir), "data.heldout_task_fraction": 0.4,
+                         "correction.heldout_games": 1, "experience_model.on_policy_games": 1,
+                         "correction.rounds": 2, "correction.training_steps": 1, "study.algorithms": ["grpo"],
+                         "study.variants": ["dreamgym-grpo", "s2r-correction"], "study.real_budget": 200})
+    run("dreamgym", "stage", "collect_seed", cwd=project)  # the user's seed, onboarded: what the runs train on
+    run("dreamgym", "data", "onboard", *sorted(str(p) for p in (project / "seed").glob("*.jsonl")), cwd=project)
+    for variable, value in (("GIT_AUTHOR_NAME", "study test"), ("GIT_COMMITTER_NAME", "study test"),
+                            ("GIT_AUTHOR_EMAIL", "study@example.invalid"),
+                            ("GIT_COMMITTER_EMAIL", "study@example.invalid")):
+        monkeypatch.setenv(variable, value)
+    run("git", "add", "-A", cwd=project)
+    run("git", "commit", "-q", "-m", "the user's project", cwd=project)
+    monkeypatch.chdir(project)
+
+    metrics = results_study_flow()
+
+    kept = project / "reports" / "results_study" / "textworld-cooking" / "s2r-correction-seed0"
+    record = json.loads((kept / "run.json").read_text())
+    # 20 real transitions (10% of 200): sim-to-real after the last round, 8 (two iterations of up to 4), and 6 a round
+    # of the 2 rounds' replays
+    assert (record["params_set"]["correction.real_transitions"], record["params_set"]["correction.replay_transitions"]
+            ) == (8, 6)
+    assert not (project / "models" / "correction" / "rounds" / "round_1" / "sim_to_real").exists()
+    correction = json.loads((kept / "correction_rounds.json").read_text())
+    assert correction["rounds"] == 2 and correction["feedback"] and 0 < correction["real_transitions"] <= 20
+    last_round = json.loads((project / "models" / "correction" / "rounds" / "round_2" / "metrics"
+                             / "evaluate_policies.json").read_text())
+    assert json.loads((kept / "evaluate_policies.json").read_text()) == last_round
+    row = metrics["DreamGym-S2R (GRPO) + correction"]["textworld-cooking"]
+    assert row["real_transitions_mean"] == correction["real_transitions"]
+    assert "On-policy correction helps sim-to-real at the same real budget" in (
+        project / "reports" / "results_study" / "README.md").read_text()

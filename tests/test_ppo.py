@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from components.builders import curve_probe
+from components.config import overridden
 from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl.curriculum import Curriculum
@@ -17,7 +20,7 @@ from components.rl.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_
 from components.rl.rollouts import Episode, SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
-from tests.conftest import settings_from_params
+from tests.conftest import repo_params, settings_from_params
 from tests.hashing_encoder import HashingEncoder
 from tests.scripted_backend import ScriptedBackend
 
@@ -129,7 +132,7 @@ def policy_dir(tmp_path_factory):
     return directory
 
 
-def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS):
+def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS, curve=None):
     backend = backend or ScriptedBackend()
     buffer = FaissReplayBuffer(HashingEncoder(), settings_from_params("buffer_index"))
 
@@ -139,7 +142,8 @@ def _train(policy_dir, out_dir, cache_dir, backend=None, settings=SETTINGS):
                                                    settings=settings_from_params("inference", retries=0)))
 
     return train_ppo(str(policy_dir), Curriculum(TASKS, settings_from_params("curriculum", enabled=False)), make_batch,
-                     buffer, settings_from_params("policy_prompt"), settings, out_dir, cache_dir=cache_dir), buffer
+                     buffer, settings_from_params("policy_prompt"), settings, out_dir, cache_dir=cache_dir,
+                     curve=curve), buffer
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +220,20 @@ def test_ppo_full_fine_tuning_keeps_a_frozen_reference_and_resumes(policy_dir, t
 
     again, _ = _train(policy_dir, tmp_path / "rl", tmp_path, settings=settings)  # whole weights and optimizer load
     assert again.resumed_from and again.log == json.loads(json.dumps(result.log))
+
+
+def test_ppo_learning_curve_measures_heldout_success_in_real_games_and_changes_no_training(first_run, policy_dir,
+                                                                                            tmp_path):
+    result, _, out_dir = first_run
+    repo = Path(__file__).resolve().parents[1]
+    params = overridden(repo_params(), {"environments.textworld.cache_dir": str(repo / ".cache" / "textworld"),
+                                        "policy.environments": [ENV], "policy.max_turns": 2,
+                                        "evaluate.curve_every": 1, "evaluate.curve_games": 2})
+    measured, _ = _train(policy_dir, tmp_path / "rl", tmp_path, curve=curve_probe(params))
+    assert all(row["heldout_success"] in (0.0, 0.5, 1.0) and row["curve_s"] > 0 for row in measured.log)
+
+    def played(out) -> list:
+        return [(t.task.task_id, [step.action for step in t.steps]) for t in kept_episodes(out)]
+
+    assert played(tmp_path / "rl") == played(out_dir)  # it only measures: the same play and the same updates
+    assert [row["loss"] for row in measured.log] == pytest.approx([row["loss"] for row in result.log])

@@ -61,7 +61,53 @@ def test_budgets_follow_the_variant():
     assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["sim_to_real.real_transitions"] == 16
     assert run_overrides(by_name["no-curriculum"], 0, 160, 0.1)["synthetic_rl.curriculum.enabled"] is False
     assert [v.name for v in variants(("grpo",))] == ["dreamgym-grpo", "real-grpo", "no-curriculum", "no-retrieval",
-                                                      "no-reasoning"]
+                                                      "no-reasoning", "s2r-correction"]
+
+
+def test_a_correction_run_spends_dreamgym_s2rs_budget_on_sim_to_real_after_its_last_round_and_the_rest_on_feedback():
+    correction = {v.name: v for v in variants()}["s2r-correction"]
+    overrides = run_overrides(correction, 2, 336, 0.1, correction_rounds=3, sim_to_real_iteration=28, max_turns=1)
+    # the pipeline stages before the rounds are the DreamGym run's of the seed (DVC's run cache restores them)
+    dreamgym = run_overrides({v.name: v for v in variants()}["dreamgym-grpo"], 2, 336, 0.1)
+    assert {key: overrides[key] for key in dreamgym} == dreamgym
+    assert overrides["correction.feedback"] is True and correction.target == "correction_rounds"
+    # 33 real transitions: one sim-to-real iteration (28) after the last round, 5 left: 1 a round
+    assert overrides["correction.sim_to_real"] == "last_round"
+    assert (overrides["correction.real_transitions"], overrides["correction.replay_transitions"]) == (28, 1)
+    # a larger budget: whole iterations up to about half of it, the rest over the rounds' replay audits
+    larger = run_overrides(correction, 0, 3360, 0.1, correction_rounds=3, sim_to_real_iteration=28, max_turns=14)
+    assert (larger["correction.real_transitions"], larger["correction.replay_transitions"]) == (168, 56)
+    assert larger["correction.real_transitions"] + 3 * larger["correction.replay_transitions"] <= 336
+    # the cpu profile's own episodes are up to 14 turns: 1 replayed transition a round feeds nothing back
+    with pytest.raises(ParamsError, match="leaves 1 replayed transition.*less than one episode \\(up to 14\\)"):
+        run_overrides(correction, 0, 336, 0.1, correction_rounds=3, sim_to_real_iteration=28, max_turns=14)
+    with pytest.raises(ParamsError, match="correction.rounds is 0"):
+        run_overrides(correction, 0, 336, 0.1, correction_rounds=0)
+    with pytest.raises(ParamsError, match="33 pays for no sim-to-real iteration .*34.*raise study.real_budget"):
+        run_overrides(correction, 0, 336, 0.1, correction_rounds=3, sim_to_real_iteration=34)
+
+
+def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_transitions(tmp_path):
+    tw = "textworld-cooking"
+    last_round = tmp_path / "models" / "correction" / "rounds" / "round_3"
+    (last_round / "metrics").mkdir(parents=True)
+    (last_round / "metrics" / "evaluate_policies.json").write_text(json.dumps({"sim-to-real": {tw: _evaluation(3, 4)}}))
+    (last_round / "metrics" / "sim_to_real.json").write_text(json.dumps({"real_transitions_used": 6}))
+    (last_round / "metrics" / "synthetic_rl.json").write_text(json.dumps({"synthetic_transitions": 90}))
+    (last_round / "reports").mkdir()
+    _games(last_round / "reports", "sim-to-real", {0, 1, 2}, played=4)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "correction_rounds.json").write_text(json.dumps(
+        {"rounds": 3, "real_transitions": 31, "synthetic_transitions": 270}))
+    results = tmp_path / "results"
+
+    keep_run(results / "s2r-correction-seed0", {"run": "s2r-correction-seed0"}, tmp_path, evaluated_in=last_round)
+
+    [run] = finished_runs(results, ("grpo",))
+    assert run.games[("sim-to-real", tw)] == {"g0": True, "g1": True, "g2": True, "g3": False}
+    metrics, _ = aggregate([run])
+    row = metrics["DreamGym-S2R (GRPO) + correction"][tw]
+    assert (row["successes"], row["real_transitions_mean"], row["synthetic_transitions_mean"]) == (3, 31, 270)
 
 
 def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
@@ -280,7 +326,7 @@ def test_the_committed_cpu_study_report_is_what_its_kept_runs_make(tmp_path, mon
     """`dreamgym study report` remakes a study's report from its kept runs alone (runs copied in from other
     checkouts), running nothing: from the CPU study's committed runs, it writes the committed report, word for word."""
     repo = Path(__file__).resolve().parents[1]
-    kept = Path("reports/results_study/cpu")
+    kept = Path("reports/results_study_cpu_first_edition")
     shutil.copytree(repo / kept, tmp_path / kept, ignore=shutil.ignore_patterns("*.png", "README.md"))
     monkeypatch.chdir(tmp_path)
 

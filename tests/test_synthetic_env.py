@@ -39,7 +39,8 @@ def test_reset_step_done_success_and_info():
     first = env.step("open fridge")
     assert first.observation.state == "after open fridge" and first.observation.valid_actions is None
     assert (first.reward, first.done) == (0.0, False)
-    assert first.info == {"synthetic": True, "fallback": False, "reasoning": "did open fridge", "truncated": False}
+    assert first.info == {"synthetic": True, "fallback": False, "reasoning": "did open fridge", "truncated": False,
+                          "retrieved": []}  # no buffer: no examples
 
     last = env.step("eat meal")
     assert (last.reward, last.done, last.info["success"]) == (1.0, True, True)
@@ -107,10 +108,12 @@ def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
     env = make_env(backend, buffer, prompt={"use_retrieval": True, "top_k": 2, "reply": "next_state",
                                             "trim_context": False})
     env.reset(TASK)
-    env.step("open fridge")
+    result = env.step("open fridge")
     user = backend.calls[0][0][-1]["content"]
     assert "Similar transitions:" in user and "Next state: The fridge is open. A red potato." in user
     assert "MINIWOB PAGE" not in user
+    assert result.info["retrieved"] == ["seed-1/0"]  # the examples' ids, of this environment only
+    assert "retrieved" not in env.episode.steps[0].info  # shown, not stored with the step
 
 
 def test_garbage_output_falls_back_and_is_counted():

@@ -5,10 +5,16 @@ Decisions callers rely on:
   utterance, so `make_tasks` resets a browser once per task to copy the utterance into `Task.instruction`
   (~0.1 s a task plus one browser start). Every state starts with the live utterance anyway.
 - State (never raw HTML): `Task: <utterance>`, then one line per visible leaf element in document order,
-  `[ref] tag#id.class "text" value="..." checked focused` (parts only where present), and `text "..."` for bare text
-  without a ref (MiniWoB renumbers text nodes every step, so they cannot be targets). Refs are stable in an episode,
-  numbered by the adapter in order of first appearance (MiniWoB's own numbering depends on timing).
+  `[ref] tag#id.class "text" value="..." options=[...] color="..." size=WxH checked focused` (parts where present),
+  and `text "..."` for bare text without a ref (MiniWoB renumbers text nodes every step, so they cannot be targets).
+  A `<select>` is one line: its chosen option as `value`, every option's text in `options` (MiniWoB's DOM reading
+  skips options, which have no size, and the list itself is no leaf, so without this it was not shown at all). A leaf
+  with no text but a colour (a coloured block) shows it, `color="#e31b1b (red)"`, and an SVG shape or letter its
+  colour and size, `size=20x20`: tasks ask for "shades of red" or "a small N".
+  Refs are stable in an episode, numbered by the adapter in order of first appearance (MiniWoB's own numbering
+  depends on timing).
 - Actions: `click [ref]`, `type [ref] "text"` (focus, select all, type: replaces the field's text), `clear [ref]`,
+  `select [ref] "option"` (chooses that option of a list, as a user's pick does: input and change events fire),
   `press "Enter"` / `press [ref] "Enter"` (a MiniWoB allowed key: Enter, Tab, ArrowDown, C-a, ...), `wait`
   (let late widgets such as autocomplete menus appear). `valid_actions` is None: typing is open-ended.
 - An invalid or unparsable action returns the current state plus an `Error: ...` line, reward 0,
@@ -26,13 +32,15 @@ Decisions callers rely on:
   fresh browser, then raises `EnvironmentFailure`; a missing Chromium or an unknown task raise as they are.
 - One browser per env, started at the first reset (~2.5 s) and reused across resets and tasks. `close()` quits it and
   kills its process group (chromedriver runs in its own session); it also runs from `__exit__`, `__del__` and atexit
-  (so Ctrl-C is covered). A SIGKILL, or a SIGTERM nobody handles, skips all of these and leaves the browser running;
+  (so Ctrl-C is covered; the `dreamgym` command turns SIGTERM into an exit too). A SIGKILL, or a SIGTERM nobody
+  handles, skips all of these and leaves the browser running;
   its command line contains `dreamgym-miniwob-` (the profile directory).
 - The three `flight.*` tasks need a local http server and are refused.
 """
 from __future__ import annotations
 
 import atexit
+import colorsys
 import functools
 import json
 import os
@@ -46,6 +54,7 @@ import threading
 import time
 import urllib.parse
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,7 +63,7 @@ from typing import Any, TypeVar
 from miniwob.action import Action, ActionTypes
 from miniwob.constants import DEFAULT_ALLOWED_KEYS
 from miniwob.environment import MiniWoBEnvironment
-from miniwob.fields import get_field_extractor
+from miniwob.fields import FIELD_EXTRACTORS
 from miniwob.selenium_instance import DEFAULT_BASE_URL, HTML_DIR, SeleniumInstance
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service as ChromeService
@@ -73,7 +82,7 @@ from components.envs.base import (
     StepResult,
 )
 
-# Tasks the expert solves; the env itself runs any non-flight MiniWoB task.
+# The default task mix, each solved by the expert (SOLVERS has a few more); the env runs any non-flight task.
 TASKS = ("click-button", "click-link", "enter-text", "enter-password", "login-user", "click-checkboxes",
          "click-tab-2", "use-autocomplete-nodelay", "search-engine", "email-inbox", "book-flight-nodelay")
 SEED_RANGES: dict[str, tuple[int, int]] = {"train": (0, HELDOUT_GAME_SEEDS.start),
@@ -89,6 +98,26 @@ TEXT_INPUTS = ("input_text", "input_password", "input_email", "input_search", "i
                "input_url", "textarea")
 
 T = TypeVar("T")
+INTERACTIVE_ELEMENTS_JS = """
+const sized = e => { const box = e.getBoundingClientRect(); return box.width > 0 && box.height > 0; };
+const visible = e => {  // as MiniWoB reads the page: no box without size on the way down from the body
+  const box = e.getBoundingClientRect();
+  for (let up = e.parentElement; up && up !== document.body; up = up.parentElement) if (!sized(up)) return false;
+  return box.width > 1 && box.height > 1;
+};
+const jquery = e => (window.jQuery && jQuery._data(e, 'events')) || {};
+const controls = 'input:not([type=hidden]), select, textarea, button, a, canvas, [contenteditable=true]';
+const pointer = e => getComputedStyle(e).cursor === 'pointer';  // inherited: the outermost one counts
+const handled = e => ['click', 'mousedown', 'mouseup'].some(
+  kind => typeof e['on' + kind] === 'function' || e['__on' + kind] || kind in jquery(e));  // d3 keeps __on<kind>
+const hidden = '#reward-display, #sync-task-cover, #click-canvas, #query';  // as MiniWoB's DOM reading skips them
+return Array.from(document.body.querySelectorAll('*'))  // a dialog is added to the body, outside #wrap
+  .filter(e => visible(e) && !e.closest(hidden)
+               && (e.matches(controls) || handled(e) || pointer(e) && !pointer(e.parentElement)))
+  .map(e => [e.tagName.toLowerCase() + (e instanceof HTMLInputElement ? '_' + e.type : ''),
+             [e, ...e.querySelectorAll('*')].map(x => x.dataset && x.dataset.wob_ref)
+               .filter(ref => ref !== undefined).map(Number)]);
+"""  # [tag, the MiniWoB refs of the element and of everything inside it] per visible interactive element
 
 
 class StepTimeout(Exception):
@@ -128,11 +157,17 @@ def _call(fn: Callable[[], T], timeout_s: float) -> T:
     return box["value"]
 
 
+def _field_extractor(task_name: str) -> Callable[[str], list[tuple[str, str]]]:
+    """miniwob's fields of a task's utterance; none for a task it has no extractor for (button-delay), which runs
+    all the same: only the expert reads fields."""
+    return FIELD_EXTRACTORS.get(task_name, lambda utterance: [])
+
+
 class _Browser(SeleniumInstance):
     """miniwob's Selenium instance with our Chromium flags, a fresh profile, its own process group, page switching."""
 
     def __init__(self, task_name: str):
-        super().__init__(index=0, subdomain=task_name, headless=True)
+        super().__init__(index=0, subdomain=task_name, headless=True, field_extractor=_field_extractor(task_name))
         self.task_name = task_name
         self.record_screenshots = False  # the text state does not use them, and each costs a PNG round trip
         self.profile_dir = tempfile.mkdtemp(prefix="dreamgym-miniwob-")
@@ -154,7 +189,7 @@ class _Browser(SeleniumInstance):
     def load(self, task_name: str) -> None:
         """Open another task's page in the same browser (~0.2 s instead of a 2 s browser start)."""
         self.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task_name}.html")
-        self.field_extractor = get_field_extractor(task_name)
+        self.field_extractor = _field_extractor(task_name)
         self.task_name = task_name
         self.driver.get(self.url)
         WebDriverWait(self.driver, 5).until(expected_conditions.element_to_be_clickable((By.ID, self.SYNC_SCREEN_ID)))
@@ -201,7 +236,10 @@ class Element:
     text: str = ""
     id: str = ""
     cls: str = ""
-    value: str | None = None  # text inputs only
+    value: str | None = None  # text inputs, and a list's chosen option
+    options: tuple[str, ...] = ()  # a list's options
+    color: str = ""  # an SVG shape's fill, a textless leaf's background: "#rrggbb (name)"
+    size: str = ""  # an SVG shape's or letter's, "WxH" in pixels
     checked: bool = False
     focused: bool = False
 
@@ -213,13 +251,20 @@ class Element:
             parts.append(_quote(self.text))
         if self.value is not None:
             parts.append(f"value={_quote(self.value)}")
+        if self.options:
+            parts.append("options=" + json.dumps(list(self.options), ensure_ascii=False))
+        if self.color:
+            parts.append(f"color={_quote(self.color)}")
+        if self.size:
+            parts.append(f"size={self.size}")
         parts += [flag for flag, on in (("checked", self.checked), ("focused", self.focused)) if on]
         return " ".join(parts)
 
 
 _QUOTED = r'"(?:[^"\\]|\\.)*"'
 _LINE = re.compile(rf'^\[(?P<ref>\d+)\] (?P<tag>[\w-]+)(?:#(?P<id>[^\s.#"]+))?(?:\.(?P<cls>[^\s.#"]+))?'
-                   rf'(?: (?P<text>{_QUOTED}))?(?: value=(?P<value>{_QUOTED}))?'
+                   rf'(?: (?P<text>{_QUOTED}))?(?: value=(?P<value>{_QUOTED}))?(?: options=(?P<options>\[.*?\]))?'
+                   rf'(?: color=(?P<color>{_QUOTED}))?(?: size=(?P<size>\d+x\d+))?'
                    r"(?P<checked> checked)?(?P<focused> focused)?$")
 _TEXT_LINE = re.compile(rf"^text (?P<text>{_QUOTED})$")
 _NAME = re.compile(r'^[^\s.#"]+$')
@@ -230,26 +275,79 @@ def _quote(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _elements_from_dom(dom_elements: Sequence[dict[str, Any]]) -> list[Element]:
+def _elements_from_dom(dom_elements: Sequence[dict[str, Any]], details: dict[str, Any] | None = None) -> list[Element]:
+    """The state's elements; `details`: what MiniWoB's reading leaves out, by ref (see _with_details)."""
+    lists, fills = (details or {}).get("lists", {}), (details or {}).get("fills", {})
+    parents = {int(raw["ref"]): int(raw["parent"]) for raw in dom_elements}
+    child_tags: dict[int, set[str]] = defaultdict(set)  # of the children MiniWoB read: it leaves out those without size
+    for raw in dom_elements:
+        child_tags[int(raw["parent"])].add(raw["tag"])
+    labelled = set()  # elements with text inside them
+    for raw in dom_elements:
+        ref = int(raw["ref"])
+        while raw["text"].strip() and ref in parents and ref not in labelled:
+            labelled.add(ref)
+            ref = parents[ref]
     elements = []
     for raw in dom_elements:
         focused, _, _, is_leaf = (bool(flag) for flag in raw["flags"])
         tag, text = raw["tag"], " ".join(raw["text"].split())
-        if not is_leaf or tag == "body" or float(raw["width"][0]) <= 1 or float(raw["height"][0]) <= 1:
-            continue  # containers repeat their leaves' text; 1-pixel nodes are screen-reader helpers
+        # a coloured box whose content has no size (a card face down) is one line, and so is an icon (a button, a
+        # link or a box holding only a drawing): its name tells the agent what it does
+        children = child_tags.get(int(raw["ref"]), set())
+        is_leaf = is_leaf or not children and raw["bg_color"][3] > 0 or int(raw["ref"]) not in labelled and (
+            tag in ("button", "a") or children == {"svg"})
+        if float(raw["width"][0]) <= 1 or float(raw["height"][0]) <= 1:
+            continue  # 1-pixel nodes are screen-reader helpers
+        if tag == "select" and raw["ref"] in lists:
+            options, chosen = lists[raw["ref"]]
+            elements.append(Element(int(raw["ref"]), tag, "", *_names(raw),
+                                    options[chosen] if 0 <= chosen < len(options) else "", tuple(options),
+                                    focused=focused))
+            continue
+        if not is_leaf or tag == "body":
+            continue  # containers repeat their leaves' text
         if raw["ref"] < 0:
             if text:
                 elements.append(Element(None, "t", text))
             continue
-        element_id = raw["id"] if _NAME.match(raw["id"] or "") and not _GENERATED_ID.match(raw["id"]) else ""
-        cls = next((c for c in raw["classes"].split() if _NAME.match(c) and c != "SVG_CLASS"), "")
+        element_id, cls = _names(raw)
         is_text_input = tag in TEXT_INPUTS
-        if not (text or element_id or cls or is_text_input or tag.startswith("input") or tag == "button"):
-            continue  # an empty, nameless leaf tells the agent nothing
+        color, size = "", ""
+        if raw["ref"] in fills:  # an SVG shape or letter
+            color, size = _color(fills[raw["ref"]]), f"{raw['width'][0]:.0f}x{raw['height'][0]:.0f}"
+        elif not (text or is_text_input or tag.startswith("input") or tag in ("button", "select")) \
+                and raw["bg_color"][3] > 0:  # a coloured block
+            color = _color(raw["bg_color"])
+        if not (text or element_id or cls or color or is_text_input or tag.startswith("input") or tag == "button"):
+            continue  # an empty, nameless, colourless leaf tells the agent nothing
         elements.append(Element(int(raw["ref"]), tag, text, element_id, cls,
-                                raw["value"] if is_text_input else None,
-                                tag in ("input_checkbox", "input_radio") and raw["value"] == "True", focused))
+                                raw["value"] if is_text_input else None, color=color, size=size,
+                                checked=tag in ("input_checkbox", "input_radio") and raw["value"] == "True",
+                                focused=focused))
     return elements
+
+
+COLOR_NAMES = ((15, "red"), (45, "orange"), (70, "yellow"), (165, "green"), (200, "cyan"), (255, "blue"),
+               (290, "purple"), (345, "magenta"), (360, "red"))  # upper bounds of hue in degrees
+
+
+def _color(rgba: Sequence[float]) -> str:
+    """`#rrggbb (name)`: the hex the page drew, and a name by hue (grey by lightness when nearly unsaturated)."""
+    red, green, blue = (float(channel) for channel in rgba[:3])
+    hue, lightness, saturation = colorsys.rgb_to_hls(red, green, blue)
+    if saturation < 0.15 or lightness < 0.08 or lightness > 0.95:
+        name = "black" if lightness < 0.2 else "white" if lightness > 0.9 else "grey"
+    else:
+        name = next(name for bound, name in COLOR_NAMES if hue * 360 < bound)
+    return "#" + "".join(f"{round(channel * 255):02x}" for channel in (red, green, blue)) + f" ({name})"
+
+
+def _names(raw: dict[str, Any]) -> tuple[str, str]:
+    """An element's id and first class, where they are names a line can carry."""
+    element_id = raw["id"] if _NAME.match(raw["id"] or "") and not _GENERATED_ID.match(raw["id"]) else ""
+    cls = next((c for c in raw["classes"].split() if _NAME.match(c) and c != "SVG_CLASS"), "")
+    return element_id, cls
 
 
 def render_state(utterance: str, elements: Sequence[Element]) -> str:
@@ -266,6 +364,8 @@ def parse_state(state: str) -> tuple[str, list[Element]]:
             elements.append(Element(int(match["ref"]), match["tag"], json.loads(match["text"] or '""'),
                                     match["id"] or "", match["cls"] or "",
                                     json.loads(match["value"]) if match["value"] else None,
+                                    tuple(json.loads(match["options"])) if match["options"] else (),
+                                    json.loads(match["color"]) if match["color"] else "", match["size"] or "",
                                     bool(match["checked"]), bool(match["focused"])))
         elif match := _TEXT_LINE.match(line):
             elements.append(Element(None, "t", json.loads(match["text"])))
@@ -274,12 +374,12 @@ def parse_state(state: str) -> tuple[str, list[Element]]:
 
 @dataclass(frozen=True)
 class Command:
-    verb: str  # click, type, clear, press, wait
+    verb: str  # click, type, clear, select, press, wait
     ref: int | None = None
     text: str = ""
 
 
-_COMMAND = re.compile(r'^(?P<verb>click|type|clear|press|wait)(?:\s*\[(?P<ref>-?\d+)\])?(?:\s+(?P<arg>".*"))?$',
+_COMMAND = re.compile(r'^(?P<verb>click|type|clear|select|press|wait)(?:\s*\[(?P<ref>-?\d+)\])?(?:\s+(?P<arg>".*"))?$',
                       re.IGNORECASE | re.DOTALL)
 _KEYS = {key.lower(): key for key in DEFAULT_ALLOWED_KEYS} | {
     key[1:-1].lower(): key for key in DEFAULT_ALLOWED_KEYS if key.startswith("<") and len(key) > 2}
@@ -289,10 +389,10 @@ def parse_action(action: str, elements: Sequence[Element]) -> Command:
     """A Command for an action text, or ActionError saying what is wrong with it."""
     match = _COMMAND.match(action.strip())
     if not match:
-        raise ActionError('unknown action; use click [ref], type [ref] "text", clear [ref], press [ref] "Key", '
-                          'press "Key" or wait')
+        raise ActionError('unknown action; use click [ref], type [ref] "text", clear [ref], select [ref] "option", '
+                          'press [ref] "Key", press "Key" or wait')
     verb, ref, arg = match["verb"].lower(), match["ref"], match["arg"]
-    needs_ref, needs_arg = verb in ("click", "type", "clear"), verb in ("type", "press")
+    needs_ref, needs_arg = verb in ("click", "type", "clear", "select"), verb in ("type", "select", "press")
     if needs_ref and ref is None or verb == "wait" and ref is not None:
         raise ActionError(f"{verb} takes {'an element [ref]' if needs_ref else 'no [ref]'}")
     if needs_arg != (arg is not None):
@@ -310,6 +410,10 @@ def parse_action(action: str, elements: Sequence[Element]) -> Command:
             raise ActionError(f"no element [{ref}] on the page")
         if verb in ("type", "clear") and target.tag not in TEXT_INPUTS:
             raise ActionError(f"[{ref}] is a {target.tag}, not a text field")
+        if verb == "select" and target.tag != "select":
+            raise ActionError(f"[{ref}] is a {target.tag}, not a list; select chooses an option of a select")
+        if verb == "select" and text not in target.options:
+            raise ActionError(f"[{ref}] has no option {text!r}; its options: {', '.join(map(repr, target.options))}")
     if verb == "press":
         if text.lower() not in _KEYS:
             raise ActionError(f"unknown key {text!r}; use e.g. Enter, Tab, Backspace, ArrowDown, C-a")
@@ -388,6 +492,19 @@ class MiniWoB(Environment):
         self._observe(observation)
         return StepResult(Observation(self._state), 0.0, False, {"valid_action": True})
 
+    def interactive_coverage(self) -> tuple[int, list[str]]:
+        """Of the current page's visible interactive elements (form controls, links, canvases, elements with a click
+        handler set as a property, by jQuery or by d3, and elements under a pointer cursor), how many the state shows
+        (the element or one inside it has a line), and the tags of those it does not."""
+        if self._gym is None or self._done:
+            raise RuntimeError("call reset() first: coverage is of a live page")
+        driver = self._gym.instance.driver
+        found = _call(lambda: driver.execute_script(INTERACTIVE_ELEMENTS_JS), self.step_timeout_s)
+        shown_refs = {element.ref for element in self._elements}
+        on_page = {page for page, shown in self._shown_refs.items() if shown in shown_refs}
+        missing = [tag for tag, refs in found if not on_page.intersection(refs)]
+        return len(found) - len(missing), missing
+
     def close(self) -> None:
         self._drop_browser()
         if getattr(self, "_at_exit", None) is not None:
@@ -454,6 +571,15 @@ class MiniWoB(Environment):
             typing = (gym.create_action(ActionTypes.TYPE_TEXT, text=command.text) if command.text
                       else key("<Backspace>"))
             actions = [gym.create_action(ActionTypes.CLICK_ELEMENT, ref=page_ref), key("C-a"), typing]
+        elif command.verb == "select":
+            # No MiniWoB action chooses an option, and WebDriver's Select clicks an <option> that has no size here
+            gym.instance.driver.execute_script(
+                "const list = core.previousDOMInfo[arguments[0]];"
+                "list.selectedIndex = Array.from(list.options).findIndex(o => o.text.trim() === arguments[1]);"
+                "list.focus();"
+                "for (const kind of ['input', 'change']) list.dispatchEvent(new Event(kind, {bubbles: true}));",
+                page_ref, command.text)
+            actions = [gym.create_action(ActionTypes.NONE)]
         elif command.verb == "press":
             if page_ref is not None:
                 gym.instance.driver.execute_script(f"core.previousDOMInfo[{page_ref}].focus();")
@@ -474,13 +600,14 @@ class MiniWoB(Environment):
         two reads agree, at most SETTLE_MAX_S (a page with a live clock never settles)."""
         instance = gym.instance
         deadline = time.monotonic() + SETTLE_MAX_S
+        observation = observation if info["done"] else _with_details(instance, observation)
         rendered = "" if info["done"] else self._render(observation)
         while not info["done"] and time.monotonic() < deadline:
             time.sleep(SETTLE_POLL_S)
             info = {**info, **instance.get_metadata()}
             if info["done"]:  # the page ended the episode by itself (a submit fired by the menu)
                 return instance.get_empty_observation(), info
-            again, _ = instance.get_observation(use_cached_fields=True)
+            again = _with_details(instance, instance.get_observation(use_cached_fields=True)[0])
             rendered, previous = self._render(again), rendered
             if rendered == previous:
                 break
@@ -489,11 +616,12 @@ class MiniWoB(Environment):
 
     def _render(self, observation: dict[str, Any]) -> str:
         utterance = observation["utterance"] or self._utterance
-        return render_state(utterance, _elements_from_dom(observation["dom_elements"]))
+        return render_state(utterance, _elements_from_dom(observation["dom_elements"], observation.get("details")))
 
     def _observe(self, observation: dict[str, Any]) -> None:
         self._utterance = observation["utterance"] or self._utterance
-        self._elements = [self._shown(element) for element in _elements_from_dom(observation["dom_elements"])]
+        self._elements = [self._shown(element)
+                          for element in _elements_from_dom(observation["dom_elements"], observation.get("details"))]
         self._state = render_state(self._utterance, self._elements)
 
     def _shown(self, element: Element) -> Element:
@@ -518,6 +646,26 @@ class MiniWoB(Environment):
             self._state += f"\nError: {error}"
         info = {"valid_action": True, "success": success, "truncated": False, **info}
         return StepResult(Observation(self._state), 1.0 if success else 0.0, True, info)
+
+
+SVG_SHAPES = ("circle", "ellipse", "rect", "polygon", "path", "line", "polyline", "text")  # "text": SVG letters
+
+
+def _with_details(instance: _Browser, observation: dict[str, Any]) -> dict[str, Any]:
+    """The observation with what MiniWoB's DOM reading leaves out (one script call, only on pages that need it):
+    each `<select>`'s options and chosen index, and each SVG shape's or letter's fill, by ref."""
+    lists = [int(raw["ref"]) for raw in observation["dom_elements"] if raw["tag"] == "select"]
+    shapes = [int(raw["ref"]) for raw in observation["dom_elements"] if raw["tag"] in SVG_SHAPES and raw["ref"] > 0]
+    if not lists and not shapes:
+        return observation
+    options, fills = instance.driver.execute_script(
+        "const at = ref => core.previousDOMInfo[ref];"
+        "return [arguments[0].map(ref => [Array.from(at(ref).options).map(o => o.text.trim()), at(ref).selectedIndex]),"
+        "        arguments[1].map(ref => getComputedStyle(at(ref)).fill)];", lists, shapes)
+    channels = [[int(n) / 255 for n in re.findall(r"\d+", fill)[:3]] + [1.0] for fill in fills]
+    return {**observation, "details": {
+        "lists": {ref: (names, chosen) for ref, (names, chosen) in zip(lists, options)},
+        "fills": {ref: rgba for ref, rgba in zip(shapes, channels) if len(rgba) == 4}}}  # "none": no paint
 
 
 def _describe(error: BaseException) -> str:
@@ -569,25 +717,27 @@ Solver = Callable[[dict[str, str], list[Element], History], str]
 
 
 def expert_policy() -> Policy:
-    """Scripted solvers for TASKS (raises KeyError for other tasks)."""
+    """Scripted solvers for the tasks of SOLVERS (raises KeyError for other tasks)."""
 
     def act(task: Task, observation: Observation, history: History) -> str:
         name = str(task.parameters["task"])
         utterance, elements = parse_state(observation.state)
-        fields = dict(get_field_extractor(name)(utterance))
+        fields = dict(_field_extractor(name)(utterance))
         return SOLVERS[name](fields, elements, history)
 
     return act
 
 
 def random_policy(rng: random.Random) -> Policy:
-    """Click a random element, or type a random word into a random text field."""
+    """Click a random element, type a random word into a random text field, or choose a random option of a list."""
 
     def act(task: Task, observation: Observation, history: History) -> str:
         targets = [e for e in parse_state(observation.state)[1] if e.ref is not None]
         if not targets:
             return "wait"
         element = rng.choice(targets)
+        if element.options:
+            return f"select [{element.ref}] {_quote(rng.choice(element.options))}"
         if element.tag in TEXT_INPUTS and rng.random() < 0.5:
             word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
             return f"type [{element.ref}] {_quote(word)}"
@@ -632,6 +782,13 @@ def _click_button(fields: dict[str, str], elements: list[Element], history: Hist
 
 def _click_link(fields: dict[str, str], elements: list[Element], history: History) -> str:
     return _click(_find(elements, cls="alink", text=fields["target"])[0])
+
+
+def _choose_list(fields: dict[str, str], elements: list[Element], history: History) -> str:
+    options, wanted = _find(elements, tag="select")[0], fields["target"]
+    if options.value != wanted:
+        return f"select [{options.ref}] {_quote(wanted)}"
+    return _click(_find(elements, tag="button")[0])
 
 
 def _enter_text(fields: dict[str, str], elements: list[Element], history: History) -> str:
@@ -751,5 +908,5 @@ SOLVERS: dict[str, Solver] = {
     "click-button": _click_button, "click-link": _click_link, "enter-text": _enter_text,
     "enter-password": _enter_password, "login-user": _login_user, "click-checkboxes": _click_checkboxes,
     "click-tab-2": _click_tab_2, "use-autocomplete-nodelay": _use_autocomplete, "search-engine": _search_engine,
-    "email-inbox": _email_inbox, "book-flight-nodelay": _book_flight,
+    "email-inbox": _email_inbox, "book-flight-nodelay": _book_flight, "choose-list": _choose_list,
 }

@@ -55,6 +55,12 @@ class HFGenerationBackend:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
 
+    def reseed(self, seed: int) -> None:
+        """Sampling (temperature > 0) repeats after the same seed."""
+        import torch
+
+        torch.manual_seed(seed)
+
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         import torch
 
@@ -258,14 +264,19 @@ class LlamaCppBackend:
         self.end_ids = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         self.stop = list(stop)
         # The context is sized to what a prompt and its reply need, not the model's maximum: prefill cost grew with
-        # it (measured without flash attention). Threads 0: every core.
+        # it (measured without flash attention). Threads 0: every core this process may run on
+        # (taskset, cgroups).
         self.llm = Llama(model_path=str(export_gguf(model_dir, weight_type, cache_dir)), n_ctx=context,
-                         flash_attn=True, n_threads=threads or os.cpu_count(), n_batch=512, verbose=False,
+                         flash_attn=True, n_threads=threads or len(os.sched_getaffinity(0)), n_batch=512, verbose=False,
                          # logits_all: drafts are checked against every position's logits (llama-cpp-python
                          # 0.3.36 sizes its logits buffer by this argument, not by the draft model)
                          logits_all=bool(draft_tokens),
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None)
         weakref.finalize(self, self.llm.close)  # freed with the backend, or at exit before the bindings unload
+
+    def reseed(self, seed: int) -> None:
+        """Sampling (temperature > 0) repeats after the same seed."""
+        self.llm.set_seed(seed)
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         replies = []

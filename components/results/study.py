@@ -1,13 +1,17 @@
 """The results study: the paper's Table 1 on our environments, assembled from pipeline runs.
 
 Each *variant* is one pipeline run with a few params overridden (flows/study.py runs it as a `dvc exp run` and keeps
-its evaluation metrics in `RESULTS_DIR/<variant>-seed<k>/`). One run yields several rows of the table: the default
+its evaluation metrics in `RESULTS_DIR/<environment>/<variant>-seed<k>/`: each run trains its experience model and
+policy on one environment). One run yields several rows of the table: the default
 run evaluates the warm start (SFT only), the synthetic-RL policy (DreamGym) and the sim-to-real policy
 (DreamGym-S2R) side by side. `aggregate` pools each method's held-out episodes over seeds (Wilson interval on the
 pooled episodes) and writes the table, a plot and JSON metrics.
 
 Budgets: `real_budget` B is the real-environment RL baseline's budget of real transitions; DreamGym-S2R gets
-`s2r_share` x B (the paper: at most 10%). DreamGym itself uses no real transition beyond the seed.
+`s2r_share` x B (the paper: at most 10%). DreamGym itself uses no real transition beyond the seed. DreamGym-S2R with
+on-policy correction (stages/correction_rounds.py) spends the same `s2r_share` x B: sim-to-real after its last round
+(about half, in whole iterations) and the rest on the rounds' replay audits, whose real transitions correct the
+experience model.
 """
 from __future__ import annotations
 
@@ -41,13 +45,17 @@ class Variant:
     name: str
     overrides: dict[str, Any]  # dotted params for this run (on top of the seed and budgets)
     rows: dict[str, str]  # evaluate_policies label -> the method (row of the table) it stands for
-    real_budget: str  # which budget sim_to_real gets: "s2r" (s2r_share x B) or "full" (B)
+    real_budget: str  # what it spends: "s2r" (s2r_share x B in sim_to_real), "full" (B), "correction" (run_overrides)
+    target: str = "evaluate_policies"  # the DVC stage its run ends with
 
     @property
     def policies(self) -> list[str]:
         """The policies its run evaluates (evaluate.policies, by training stage): its rows' only, as each held-out
         evaluation costs minutes on a CPU (the warm start is played once per seed, in the first algorithm's DreamGym
-        run)."""
+        run). Correction rounds evaluate their own policies; their run's pipeline stages are the DreamGym run's of
+        the same seed, which DVC then restores from its run cache instead of running them again."""
+        if self.target == "correction_rounds":
+            return ["sim_to_real", "synthetic_rl", "train_policy_sft"]
         stages = {"sft_warm_start": "train_policy_sft", "sim-to-real": "sim_to_real"}
         return sorted({stages.get(label, "synthetic_rl") for label in self.rows})
 
@@ -74,21 +82,49 @@ def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant
                 {"synthetic_grpo": "DreamGym (GRPO) w/o retrieval"}, "s2r"),
         Variant("no-reasoning", {**grpo, "experience_model.prompt.use_reasoning": False},
                 {"synthetic_grpo": "DreamGym (GRPO) w/o reasoning"}, "s2r"),
+        Variant("s2r-correction", {**grpo, "correction.feedback": True},
+                {"sim-to-real": "DreamGym-S2R (GRPO) + correction"}, "correction", "correction_rounds"),
     ]
     return found
 
 
-def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: float) -> dict[str, Any]:
-    """Every param a variant's run sets: its own, the seed, the real budget of its sim-to-real stage and the policies
-    it evaluates."""
+def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: float, correction_rounds: int = 0,
+                  sim_to_real_iteration: int = 1, environment: str | None = None, max_turns: int = 1
+                  ) -> dict[str, Any]:
+    """Every param a variant's run sets: its own, the seed, the real budget of its sim-to-real stage, the policies
+    it evaluates and, with `environment`, the one environment its experience model and policy are trained on. A
+    correction run spends DreamGym-S2R's budget as whole sim-to-real iterations of `sim_to_real_iteration` real
+    transitions (about half, at least one) after its last round and the rest on the rounds' replay audits, the
+    feedback, which must pay for an episode (`max_turns`) a round. ParamsError when the budget cannot pay for the
+    variant's run."""
     budget = real_budget if variant.real_budget == "full" else int(s2r_share * real_budget)
-    return {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget,
-            "evaluate.policies": variant.policies}
+    overrides = {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget,
+                 "evaluate.policies": variant.policies}
+    if environment is not None:
+        overrides |= {"experience_model.environments": [environment], "policy.environments": [environment]}
+    if variant.real_budget == "correction":  # DreamGym-S2R's shape: its sim-to-real after the last round
+        cost = max(sim_to_real_iteration, 1)
+        if budget < cost or not correction_rounds:
+            raise ParamsError(f"{variant.name}: DreamGym-S2R's real budget of {budget} pays for no sim-to-real "
+                              f"iteration (one costs up to {cost}): raise study.real_budget or s2r_share"
+                              if correction_rounds else f"{variant.name}: correction.rounds is 0: set it to 1 or more")
+        real = max(cost, budget // 2 // cost * cost)  # whole iterations, about half; the rest funds the feedback
+        replays = (budget - real) // correction_rounds
+        if replays < max_turns:  # a replay budget below one episode replays nothing: the row would correct nothing
+            raise ParamsError(f"{variant.name}: DreamGym-S2R's real budget of {budget} leaves {replays} replayed "
+                              f"transition(s) a round after sim-to-real's {real}, less than one episode (up to "
+                              f"{max_turns}), so nothing would be fed back: raise study.real_budget or s2r_share, or "
+                              "lower correction.rounds")
+        overrides |= {"correction.sim_to_real": "last_round", "correction.real_transitions": real,
+                      "correction.replay_transitions": replays}
+    return overrides
 
 
-# kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs
+# kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs (a correction
+# run's: its last round's), and the correction rounds' summary
 RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
              "sim_to_real_iterations.csv")
+CORRECTION_FILE = "correction_rounds.json"
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
 
@@ -103,11 +139,14 @@ def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[s
     return [v for v in every if not names or v.name in names]
 
 
-def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".") -> Path:
-    """Copy a finished run's RUN_FILES, its games (GAMES_FILE) and its record from the pipeline in `root` into
-    `run_dir`, whole or not at all (a rerun replaces it)."""
+def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
+             evaluated_in: str | Path | None = None) -> Path:
+    """Copy a finished run's RUN_FILES and its games (GAMES_FILE) from the stage root that evaluated its policies
+    (`evaluated_in`, default `root`; a correction run's last round, and then its CORRECTION_FILE too) and its record
+    into `run_dir`, whole or not at all (a rerun replaces it)."""
+    sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
+    sources += [Path(root) / "metrics" / CORRECTION_FILE] if evaluated_in is not None else []
     with atomic_directory(Path(run_dir), replace=True) as partial:
-        sources = [Path(root) / "metrics" / name for name in RUN_FILES] + [Path(root) / GAMES_FILE]
         for source in sources:
             if source.is_file():
                 shutil.copy(source, partial / source.name)
@@ -141,8 +180,10 @@ def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | N
 
 @dataclass(frozen=True)
 class Run:
-    """One finished run of the study, as kept in `RESULTS_DIR/<variant>-seed<k>/`."""
+    """One finished run of the study, as kept in `RESULTS_DIR/<environment>/<variant>-seed<k>/` (or, before runs
+were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     path: Path
+    name: str  # its folder under the results folder: <variant>-seed<k>, or <environment>/<variant>-seed<k>
     variant: Variant
     seed: int
     evaluated: dict[str, Any]  # evaluate_policies.json
@@ -150,6 +191,18 @@ class Run:
     synthetic_rl: dict[str, Any]
     record: dict[str, Any]  # run.json (empty for runs kept before it existed)
     games: dict[tuple[str, str], dict[str, bool]]  # (policy label, environment) -> task id -> won; {} if not kept
+    correction: dict[str, Any]  # correction_rounds.json of a correction run ({} otherwise)
+
+    def real_transitions(self, label: str) -> int:
+        """Real transitions spent on the policy evaluated under `label`: a correction run's, over all its rounds."""
+        if label != "sim-to-real":
+            return 0
+        return self.correction.get("real_transitions", self.sim_to_real.get("real_transitions_used", 0))
+
+    def synthetic_transitions(self, label: str) -> int:
+        if not self.from_synthetic_rl(label):
+            return 0
+        return self.correction.get("synthetic_transitions", self.synthetic_rl.get("synthetic_transitions", 0))
 
     def from_synthetic_rl(self, label: str) -> bool:
         """Whether the policy evaluated under `label` descends from this run's synthetic RL."""
@@ -177,12 +230,14 @@ def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("
     variants of a study of `algorithm_names` (the first one's DreamGym run stands for the warm start)."""
     known = {v.name: v for v in variants(algorithm_names)}
     runs = []
-    for path in sorted(Path(results_dir).glob("*-seed*")):
+    results_dir = Path(results_dir)
+    for path in sorted([*results_dir.glob("*-seed*"), *results_dir.glob("*/*-seed*")]):
         name, _, seed = path.name.rpartition("-seed")
         if name in known and seed.isdigit() and (path / "evaluate_policies.json").is_file():
-            runs.append(Run(path, known[name], int(seed), _read(path / "evaluate_policies.json"),
+            runs.append(Run(path, path.relative_to(results_dir).as_posix(), known[name], int(seed),
+                            _read(path / "evaluate_policies.json"),
                             _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
-                            _read(path / RUN_RECORD), read_games(path / KEPT_GAMES)))
+                            _read(path / RUN_RECORD), read_games(path / KEPT_GAMES), _read(path / CORRECTION_FILE)))
     return runs
 
 
@@ -228,9 +283,8 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
         entry["episodes"] += result["episodes"]
         entry["successes"] += result["successes"]
         entry["seeds"].append(run.seed)
-        entry["real_transitions"].append(
-            run.sim_to_real.get("real_transitions_used", 0) if label == "sim-to-real" else 0)
-        entry["synthetic_transitions"].append(synthetic.get("synthetic_transitions", 0))
+        entry["real_transitions"].append(run.real_transitions(label))
+        entry["synthetic_transitions"].append(run.synthetic_transitions(label))
         if synthetic:
             entry["fallback_rates"].append(synthetic.get("experience_model", {}).get("fallback_rate", 0.0))
             entry["generated_tasks"].append(synthetic.get("curriculum", {}).get("accepted", 0))
@@ -325,6 +379,8 @@ CLAIMS = (
     ("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum", "better with generated tasks"),
     ("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval", "better"),
     ("Reasoning before predicting helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o reasoning", "better"),
+    ("On-policy correction helps sim-to-real at the same real budget", "DreamGym-S2R (GRPO) + correction",
+     "DreamGym-S2R (GRPO)", "better"),
 )
 
 
@@ -413,14 +469,14 @@ def runs_table(runs: list[Run]) -> str:
     for run in runs:
         synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
         rows.append([
-            run.path.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
+            run.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
             f"{(synthetic.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
-            synthetic.get("iterations", "-"), synthetic.get("synthetic_transitions", "-"),
+            synthetic.get("iterations", "-"), run.synthetic_transitions("sim-to-real") if synthetic else "-",
             _percent(synthetic["experience_model"]["fallback_rate"]) if "experience_model" in synthetic else "-",
             _confirmed_wins(run) if synthetic else "-",
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
-            run.sim_to_real.get("real_transitions_used", 0)])
+            run.real_transitions("sim-to-real")])
     return markdown_table(["run", "profile", "commit", "wall time (min)", "RL stages' time (min)",
                            "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
                            "synthetic wins the real game confirms", "sim-to-real from", "real RL iterations",
@@ -437,33 +493,39 @@ def _confirmed_wins(run: Run) -> str:
 
 
 def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:
-    """Mean episode reward per iteration: synthetic RL (left, in the simulator) and RL in the real environment
-    (right, against the real transitions spent), one line per run that trained that stage itself."""
-    panels = [("synthetic_rl", "synthetic RL: reward in the simulator", "iteration"),
-              ("sim_to_real", "real-environment RL: reward in the real games", "real transitions")]
+    """Per iteration, synthetic RL (left, in the simulator) and RL in the real environment (right, against the real
+    transitions spent), one line per run that trained that stage itself: mean episode reward (top) and, where the run
+    measured it (evaluate.curve_every), held-out real success on the curve's fixed games (bottom)."""
+    panels = [("synthetic_rl", "synthetic RL", "iteration"),
+              ("sim_to_real", "real-environment RL", "real transitions")]
     lines = {stage: [] for stage, _, _ in panels}
     for run in runs:
         trained = {"synthetic_rl": run.uses_synthetic_rl, "sim_to_real": "sim-to-real" in run.variant.rows}
         for stage in lines:
             rows = run.iterations(stage) if trained[stage] else []
             if rows:
-                lines[stage].append((run.path.name, rows))
+                lines[stage].append((run.name, rows))
     if not any(lines.values()):
         return None
-    figure, axes = pyplot().subplots(1, 2, figsize=(10, 3.6))
-    for axis, (stage, title, x_label) in zip(axes, panels, strict=True):
-        for name, rows in lines[stage]:
-            if stage == "synthetic_rl":
-                xs = [row["iteration"] for row in rows]
-            else:  # cumulative real transitions: runs of different budgets share one axis
-                xs = list(accumulate(row.get("env_transitions", 0.0) for row in rows))
-            axis.plot(xs, [row.get("reward_mean", 0.0) for row in rows], marker="o", markersize=3, label=name)
-        axis.set_title(title, fontsize=9)
-        axis.set_xlabel(x_label, fontsize=8)
-        axis.set_ylabel("mean episode reward", fontsize=8)
-        axis.tick_params(labelsize=7)
-        if lines[stage]:
-            axis.legend(fontsize=6)
+    measures = [("reward_mean", "mean episode reward")]
+    if any("heldout_success" in row for found in lines.values() for _, rows in found for row in rows):
+        measures.append(("heldout_success", "held-out success"))
+    figure, axes = pyplot().subplots(len(measures), 2, figsize=(10, 3.4 * len(measures)), squeeze=False)
+    for row_axes, (measure, y_label) in zip(axes, measures, strict=True):
+        for axis, (stage, title, x_label) in zip(row_axes, panels, strict=True):
+            for name, rows in lines[stage]:
+                if stage == "synthetic_rl":
+                    xs = [row["iteration"] for row in rows]
+                else:  # cumulative real transitions: runs of different budgets share one axis
+                    xs = list(accumulate(row.get("env_transitions", 0.0) for row in rows))
+                points = [(x, row[measure]) for x, row in zip(xs, rows, strict=True) if measure in row]
+                axis.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=name)
+            axis.set_title(f"{title}: {y_label}", fontsize=9)
+            axis.set_xlabel(x_label, fontsize=8)
+            axis.set_ylabel(y_label, fontsize=8)
+            axis.tick_params(labelsize=7)
+            if lines[stage]:
+                axis.legend(fontsize=6)
     return save_figure(figure, path)
 
 
@@ -472,7 +534,7 @@ def report(results_dir: str | Path, confidence: float = 0.95,
     """The study's metrics and markdown report, with its plots written into `results_dir`."""
     results_dir = Path(results_dir)
     runs = finished_runs(results_dir, algorithm_names)
-    profiles = {run.path.name: run.record.get("profile", "custom") for run in runs}
+    profiles = {run.name: run.record.get("profile", "custom") for run in runs}
     if len(set(profiles.values()) - {"custom"}) > 1:
         raise ParamsError(f"{results_dir}: its runs were made at different profiles ({profiles}), and a report pools "
                           "them. Keep each profile's runs in its own folder (its study.results_dir).")

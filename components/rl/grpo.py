@@ -27,6 +27,7 @@ from components.llm.backends import GenerationBackend
 from components.llm.sft import load_trained_model, lora_config
 from components.rl.curriculum import Curriculum
 from components.rl.loop import (
+    CurveProbe,
     RLResult,
     RLSettings,
     iteration_record,
@@ -90,9 +91,10 @@ def grpo_config(settings: RLSettings, output_dir: str | Path, **overrides: Any) 
 def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
                buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
                cache_dir: str | Path = ".cache/models", generator: GenerationBackend | None = None,
-               environment: str = "") -> RLResult:
+               environment: str = "", curve: CurveProbe | None = None) -> RLResult:
     """Train `policy_model` (the warm start) with GRPO on episodes from `make_batch()` over the curriculum's tasks
-    (`generator` writes the curriculum's task variations; None: no new tasks).
+    (`generator` writes the curriculum's task variations; None: no new tasks; `curve` adds held-out success to the
+    iteration log).
 
     Layout: `out_dir/checkpoints/checkpoint-N` (adapter, optimizer, scheduler, RNG states, trainer state, plus the
     replay buffer and iteration log as of iteration N); `out_dir/model` is the final policy. A rerun with the same
@@ -159,11 +161,13 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
             rows.append(iteration_record(state.global_step, episodes, stats, buffer, **fields,
                                          optimisation_s=round(optimisation_s, 2), **update))
             keep_episodes(checkpoints, state.global_step, episodes)
+            if curve is not None:
+                rows[-1].update(curve.point(trainer.model, tokenizer, state.global_step, state.max_steps))
             row, done = rows[-1], state.global_step - self.first
             eta = (time.monotonic() - self.start) / done * (state.max_steps - state.global_step)
-            log.info("iteration %d/%d reward %.3f success %.2f kl %s | %.0fs/iteration, ETA %.0fs",
+            log.info("iteration %d/%d reward %.3f success %.2f kl %s held-out %s | %.0fs/iteration, ETA %.0fs",
                      state.global_step, state.max_steps, row["reward_mean"], row["success_rate"],
-                     row.get("kl", "n/a"), step_seconds, eta)
+                     row.get("kl", "n/a"), row.get("heldout_success", "-"), step_seconds, eta)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows, curriculum)

@@ -83,6 +83,11 @@ class RLSettings:
     def episodes_per_iteration(self) -> int:
         return self.tasks_per_iteration * self.group_size
 
+    @property
+    def transitions_per_iteration(self) -> int:
+        """The most environment transitions an iteration can take: every episode runs to the turn limit."""
+        return self.episodes_per_iteration * self.max_turns
+
 
 @dataclass(frozen=True)
 class RLResult:
@@ -93,7 +98,29 @@ class RLResult:
     seconds: float  # over every invocation: this one's, plus the logged time of the iterations it resumed after
 
 
-TIME_SPLIT = ("policy_generation_s", "environment_s", "buffer_s", "curriculum_s", "optimisation_s")
+TIME_SPLIT = ("policy_generation_s", "environment_s", "buffer_s", "curriculum_s", "optimisation_s")  # curve_s: apart
+
+
+@dataclass(frozen=True)
+class CurveProbe:
+    """The learning curve's measure: every `every` iterations (and after the last), `measure(model, tokenizer)` plays
+    the policy as it stands on a fixed set of held-out games and returns its success; it only measures (greedy play,
+    nothing kept), so training goes on as it would without it."""
+
+    every: int
+    measure: Callable[[Any, Any], float]
+
+    def point(self, model: Any, tokenizer: Any, iteration: int, iterations: int) -> dict[str, Any]:
+        """The iteration log's fields for 1-based `iteration`: held-out success and its time, or none."""
+        if iteration % self.every and iteration != iterations:
+            return {}
+        started, training = time.monotonic(), model.training
+        model.eval()
+        try:
+            success = self.measure(model, tokenizer)
+        finally:
+            model.train(training)
+        return {"heldout_success": round(success, 4), "curve_s": round(time.monotonic() - started, 2)}
 
 
 def logged_seconds(rows: list[dict[str, Any]]) -> float:
@@ -155,7 +182,7 @@ def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
     budget and its iteration count is fixed before it starts (a resumed run plans the same one). What iterations
     leave unused is reported by the caller, not carried over.
     """
-    worst_case = settings.episodes_per_iteration * settings.max_turns
+    worst_case = settings.transitions_per_iteration
     return min(settings.iterations, env_transitions // worst_case)
 
 

@@ -34,6 +34,7 @@ from components.files import atomic_directory
 from components.llm.backends import GenerationBackend
 from components.rl.curriculum import Curriculum
 from components.rl.loop import (
+    CurveProbe,
     RLResult,
     RLSettings,
     checkpoint_number,
@@ -384,9 +385,10 @@ def load_checkpoint(checkpoint: Path, value_head: torch.nn.Linear, optimizer: to
 def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[], EpisodeBatch],
               buffer: ReplayBuffer | None, fmt: PolicyFormat, settings: RLSettings, out_dir: str | Path,
               cache_dir: str | Path = ".cache/models", generator: GenerationBackend | None = None,
-              environment: str = "") -> RLResult:
+              environment: str = "", curve: CurveProbe | None = None) -> RLResult:
     """Train `policy_model` (the warm start) with PPO on episodes from `make_batch()` over the curriculum's tasks
-    (`generator` writes the curriculum's task variations; None: no new tasks). PPO has no groups of one task:
+    (`generator` writes the curriculum's task variations; None: no new tasks; `curve` adds held-out success to the
+    iteration log). PPO has no groups of one task:
     give the curriculum clusters of similar tasks (`curriculum.cluster_tasks`) to measure reward variance over.
 
     Layout: `out_dir/checkpoints/checkpoint-N` (adapter, value head, optimizer, RNG states, plus the replay buffer and
@@ -420,12 +422,15 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
         rows.append(iteration_record(iteration + 1, episodes, stats, buffer, **fields,
                                      optimisation_s=round(time.monotonic() - optimisation_started, 2), **update))
         keep_episodes(checkpoints, iteration + 1, episodes)
+        if curve is not None:
+            rows[-1].update(curve.point(model, tokenizer, iteration + 1, settings.iterations))
 
         row, done = rows[-1], iteration + 1 - start
         seconds = time.monotonic() - iteration_started
         eta = (time.monotonic() - started) / done * (settings.iterations - iteration - 1)
-        log.info("iteration %d/%d reward %.3f success %.2f kl %s | %.0fs/iteration, ETA %.0fs", iteration + 1,
-                 settings.iterations, row["reward_mean"], row["success_rate"], row.get("kl", "n/a"), seconds, eta)
+        log.info("iteration %d/%d reward %.3f success %.2f kl %s held-out %s | %.0fs/iteration, ETA %.0fs",
+                 iteration + 1, settings.iterations, row["reward_mean"], row["success_rate"], row.get("kl", "n/a"),
+                 row.get("heldout_success", "-"), seconds, eta)
         if (iteration + 1) % settings.save_every == 0 or iteration + 1 == settings.iterations:
             save_checkpoint(checkpoints / f"checkpoint-{iteration + 1}", model, value_head, optimizer, buffer, rows,
                             curriculum)

@@ -107,7 +107,7 @@ class SyntheticEnvironment(Environment):
                    for ep, action, found in zip(episodes, actions, examples, strict=True)]
         predictions = predict(self.backend, queries, self.fmt, self.settings, stats=self.stats)
         results = []
-        for episode, action, prediction in zip(episodes, actions, predictions, strict=True):
+        for episode, action, prediction, found in zip(episodes, actions, predictions, examples, strict=True):
             info = {"synthetic": True, "fallback": prediction.fallback, "reasoning": prediction.reasoning,
                     "truncated": False}
             episode.steps.append(Step(episode.state, action, prediction.next_state, prediction.reward,
@@ -115,7 +115,9 @@ class SyntheticEnvironment(Environment):
             episode.state, episode.done = prediction.next_state, prediction.done
             if prediction.done:
                 episode.success = info["success"] = is_success(prediction.reward, True, self.success_reward)
-            results.append(StepResult(Observation(prediction.next_state), prediction.reward, prediction.done, info))
+            retrieved = [f"{r.trajectory_id}/{r.step_index}" for r in found]  # shown in info, not stored in the step
+            results.append(StepResult(Observation(prediction.next_state), prediction.reward, prediction.done,
+                                      {**info, "retrieved": retrieved}))
         return results
 
     def _retrieve(self, episodes: Sequence[SyntheticEpisode], actions: Sequence[str]) -> list[list[Retrieved]]:
