@@ -1,0 +1,248 @@
+"""A simulator bundle served to many rollout workers over OpenEnv's wire protocol (as openenv-core 0.3.0 speaks it).
+
+Each WebSocket connection to `/ws` is one session with its own episode: the client sends
+`{"type": "reset", "data": {"seed": 0, "task_id": ...}}`, `{"type": "step", "data": {"message": "open fridge"}}`,
+`{"type": "state"}` or `{"type": "close"}`, and gets `{"type": "observation", "data": {"observation": {...},
+"reward": r, "done": d}}`, `{"type": "state", "data": {...}}` or `{"type": "error", "data": {"message", "code"}}`.
+The observation carries the text (`text`), the task, and what `gym_env.SimulatorEnv` puts in `info` (fallback,
+retrieved examples' ids, truncation at the turn limit). OpenEnv's `GenericEnvClient(base_url=...)` is a client.
+
+Steps of all sessions are batched: while the experience model answers one batch, the steps that arrive wait, and go
+together in the next `SyntheticEnvironment.step_batch` (one retrieval and one model call for all). At most
+`max_sessions` sessions run at once: one more is refused on connect with the code CAPACITY_REACHED. `GET /health`,
+`GET /schema` and `GET /metadata` answer as OpenEnv's do; `POST /reset` (stateless, as OpenEnv's) returns a first
+observation. With `shadow` (a share), that share of the sessions' episodes is replayed in the real environment as
+they end (`shadow.Shadow`); `GET /shadow` and the log say how far the two agree. The app holds no ML logic of its
+own: the bundle's environment does the work.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, WebSocket, WebSocketDisconnect
+
+from components.simulator.bundle import Bundle, load_bundle
+from components.simulator.shadow import Shadow
+from components.simulator.synthetic import record_trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    episode: Any = None  # synthetic.SyntheticEpisode, once reset
+    turns: int = 0
+    shadowed: bool = False  # this episode goes to the shadow replay when it ends
+    rng: random.Random = field(default_factory=random.Random)
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class StepBatcher:
+    """Queues the sessions' steps; one worker sends whatever is queued to the simulator as one batch."""
+
+    def __init__(self, simulator: Any, max_batch: int) -> None:
+        self.simulator, self.max_batch = simulator, max_batch
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.batches = self.steps = 0
+
+    async def step(self, episode: Any, action: str) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put((episode, action, future))
+        return await future
+
+    async def run(self) -> None:
+        while True:
+            items = [await self.queue.get()]
+            while not self.queue.empty() and len(items) < self.max_batch:
+                items.append(self.queue.get_nowait())
+            try:
+                results = await asyncio.to_thread(self.simulator.step_batch, [e for e, _, _ in items],
+                                                  [a for _, a, _ in items])
+                self.batches, self.steps = self.batches + 1, self.steps + len(items)
+                for (_, _, future), result in zip(items, results, strict=True):
+                    if not future.done():  # its client went away meanwhile
+                        future.set_result(result)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as error:  # the batch's sessions each get it; the worker goes on with the next
+                log.exception("a batch of %d steps failed", len(items))
+                for _, _, future in items:
+                    if not future.done():
+                        future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
+
+
+def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, max_sessions: int = 64,
+               max_batch: int = 64, backend: str | None = None, cache_dir: str | Path | None = None,
+               shadow: float = 0.0) -> FastAPI:
+    """The server app of `bundle` (a path or a loaded bundle) for one of its environments; `shadow`: the share of
+    episodes replayed in the real environment (0: none)."""
+    bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    simulator = bundle.environment(environment, backend=backend, cache_dir=cache_dir)
+    name = simulator.name
+    shadowing = Shadow(*bundle.real_environment(name), shadow) if shadow else None
+    batcher = StepBatcher(simulator, max_batch)
+    sessions: dict[str, Session] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker = asyncio.create_task(batcher.run())
+        try:
+            yield
+        finally:  # clean shutdown: the worker stops, sessions are dropped, queued shadow replays finish
+            worker.cancel()
+            sessions.clear()
+            if shadowing is not None:
+                await asyncio.to_thread(shadowing.close)
+
+    app = FastAPI(title=f"dreamgym simulator: {name}", lifespan=lifespan)
+    app.state.batcher, app.state.sessions = batcher, sessions
+
+    def end_episode(session: Session) -> None:
+        """Hand a shadowed episode (finished, or left unfinished by a reset or a disconnect) to the replay."""
+        if session.shadowed and shadowing is not None:
+            session.shadowed = False
+            shadowing.submit(record_trajectory(session.episode))
+
+    def first_observation(session: Session, data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("seed") is not None:
+            session.rng.seed(data["seed"])
+        task = bundle.choose_task(name, session.rng, data.get("task_id"))
+        end_episode(session)
+        session.episode, session.turns = simulator.new_episode(task), 0
+        session.shadowed = shadowing is not None and shadowing.wants_next()
+        return {"observation": {"text": session.episode.state, "task_id": task.task_id,
+                                "instruction": task.instruction, "truncated": False, "fallback": False,
+                                "retrieved": [], "reasoning": ""}, "reward": None, "done": False}
+
+    async def next_observation(session: Session, action: str) -> dict[str, Any]:
+        if session.episode is None or session.episode.done:
+            raise RuntimeError("the episode is over or was never started: send a reset")
+        result = await batcher.step(session.episode, action)
+        session.turns += 1
+        truncated = not result.done and session.turns >= bundle.max_turns
+        if truncated:
+            session.episode.done = True
+        if session.episode.done:
+            end_episode(session)
+        return {"observation": {"text": result.observation.state, "task_id": session.episode.task.task_id,
+                                "instruction": session.episode.task.instruction, "truncated": truncated,
+                                "fallback": result.info["fallback"], "retrieved": result.info.get("retrieved", []),
+                                "reasoning": result.info.get("reasoning", "")},
+                "reward": float(result.reward), "done": bool(result.done or truncated)}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "healthy", "active_sessions": len(sessions), "max_sessions": max_sessions,
+                "batches": batcher.batches, "steps": batcher.steps,
+                "shadow": {"share": shadowing.share, "replayed": len(shadowing.real),
+                           "failed": shadowing.failed_replays, "pending": shadowing.pending}
+                if shadowing is not None else None}
+
+    @app.get("/shadow")
+    async def shadow_agreement() -> dict[str, Any]:
+        if shadowing is None:
+            raise HTTPException(status_code=404, detail="shadow mode is off: serve with --shadow SHARE")
+        return await asyncio.to_thread(shadowing.summary)
+
+    @app.get("/metadata")
+    async def metadata() -> dict[str, Any]:
+        return {"name": f"dreamgym-{name}", "description": "a DreamGym experience model simulating " + name,
+                "version": str(bundle.manifest["format"]), "readme_content": None, "author": None,
+                "documentation_url": None}
+
+    @app.get("/schema")
+    async def schema() -> dict[str, Any]:
+        text = {"type": "string"}
+        return {"action": {"type": "object", "properties": {"message": text}, "required": ["message"]},
+                "observation": {"type": "object", "properties": {
+                    "text": text, "task_id": text, "instruction": text, "truncated": {"type": "boolean"},
+                    "fallback": {"type": "boolean"}, "retrieved": {"type": "array", "items": text},
+                    "reasoning": text}},
+                "state": {"type": "object", "properties": {"episode_id": text, "step_count": {"type": "integer"},
+                                                           "task_id": text}}}
+
+    @app.post("/reset")
+    async def reset(data: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return first_observation(Session(), data)
+        except (LookupError, TypeError, ValueError) as error:
+            raise HTTPException(status_code=422, detail=str(error)) from error
+
+    @app.websocket("/ws")
+    async def session_channel(websocket: WebSocket) -> None:
+        await websocket.accept()
+        if len(sessions) >= max_sessions:
+            await websocket.send_json({"type": "error", "data": {
+                "message": f"Server at capacity: {len(sessions)}/{max_sessions} sessions active. Cannot accept new "
+                           "connections.", "code": "CAPACITY_REACHED", "active_sessions": len(sessions),
+                "max_sessions": max_sessions}})
+            await websocket.close()
+            return
+        session = Session()
+        sessions[session.session_id] = session
+        try:
+            while True:
+                try:
+                    message = json.loads(await websocket.receive_text())
+                    kind, data = message.get("type"), message.get("data") or {}
+                    if not isinstance(data, dict):
+                        raise ValueError
+                except (ValueError, AttributeError, KeyError, TypeError):  # bad JSON, not an object, a binary frame
+                    await websocket.send_json({"type": "error", "data": {
+                        "message": 'not a JSON object {"type": ..., "data": {...}}', "code": "INVALID_JSON"}})
+                    continue
+                try:
+                    if kind == "reset":
+                        reply = {"type": "observation", "data": first_observation(session, data)}
+                    elif kind == "step":
+                        if not isinstance(data.get("message"), str):
+                            reply = {"type": "error", "data": {"message": "a step's data needs a string `message` "
+                                                               "(the action)", "code": "VALIDATION_ERROR"}}
+                        else:
+                            reply = {"type": "observation",
+                                     "data": await next_observation(session, data["message"])}
+                    elif kind == "state":
+                        episode = session.episode
+                        reply = {"type": "state", "data": {
+                            "episode_id": episode.trajectory_id if episode else None, "step_count": session.turns,
+                            "task_id": episode.task.task_id if episode else None}}
+                    elif kind == "close":
+                        break
+                    else:
+                        reply = {"type": "error", "data": {"message": f"unknown message type {kind!r}",
+                                                           "code": "UNKNOWN_TYPE"}}
+                except Exception as error:  # this session's request failed: it hears why, the others go on
+                    reply = {"type": "error", "data": {"message": f"{type(error).__name__}: {error}",
+                                                       "code": "EXECUTION_ERROR"}}
+                await websocket.send_json(reply)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            sessions.pop(session.session_id, None)
+            end_episode(session)
+        await _close_quietly(websocket)
+
+    return app
+
+
+async def _close_quietly(websocket: WebSocket) -> None:
+    try:
+        await websocket.close()
+    except RuntimeError:  # already closed by the client
+        pass
+
+
+def serve(bundle: str | Path, *, host: str, port: int, **settings: Any) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM end it cleanly)."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # shadow's reports
+    uvicorn.run(create_app(bundle, **settings), host=host, port=port, log_level="info")
