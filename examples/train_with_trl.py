@@ -6,7 +6,8 @@ Serve an exported simulator, then point this script at it:
     SIMULATOR_URL=http://127.0.0.1:8000 python examples/train_with_trl.py --model Qwen/Qwen2.5-0.5B-Instruct
 
 It needs `trl` and OpenEnv's client (`pip install trl openenv-core`), and a model whose chat template TRL can parse
-tool calls from (Qwen2.5/Qwen3, Llama 3.1/3.2, ...). Each rollout is one episode of the simulator: `reset` starts it
+tool calls from (Qwen2.5/Qwen3, Llama 3.1/3.2, ...); `--chat-template FILE` lends one to a model whose own template
+has no tools (TRL ships them: trl/chat_templates/qwen2_5.jinja fits any ChatML model). Each rollout is one episode of the simulator: `reset` starts it
 (its task and first state join the prompt), the model acts through the `act` tool, and the episode's reward is the
 sum of the simulator's rewards.
 """
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 from openenv.core import GenericEnvClient
+from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 PROMPT = "You are an agent in a text environment. Use the `act` tool, one action at a time, until the task is done."
@@ -56,6 +59,7 @@ class Simulator:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a model id or a local checkpoint")
+    parser.add_argument("--chat-template", help="a Jinja chat template file to use instead of the model's")
     parser.add_argument("--output-dir", default="trl-grpo-simulator")
     parser.add_argument("--episodes", type=int, default=64, help="rows of the training set (one seed each)")
     parser.add_argument("--max-steps", type=int, default=50)
@@ -71,8 +75,11 @@ def main() -> None:
         max_tool_calling_iterations=args.max_tool_calls, logging_steps=1, save_strategy="no", report_to="none",
         bf16=torch.cuda.is_available(),  # TRL defaults to bf16, which a CPU refuses
     )
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if args.chat_template:
+        tokenizer.chat_template = Path(args.chat_template).read_text()
     trainer = GRPOTrainer(model=args.model, args=config, train_dataset=Dataset.from_list(rows),
-                          environment_factory=Simulator)
+                          processing_class=tokenizer, environment_factory=Simulator)
     trainer.train()
     trainer.save_model(args.output_dir)
 
