@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from components import distributed
+
 # evaluate_policies' outcome of each policy on each held-out game; the results study keeps it per run to pair methods
 GAMES_FILE = "reports/evaluate_policies_games.csv"
 
@@ -18,7 +20,10 @@ def report_path(stage: str, root: str | Path = ".") -> Path:
 
 
 def write_stage_outputs(stage: str, metrics: dict[str, Any], report: str, root: str | Path = ".") -> list[Path]:
+    """The stage's metrics and report, written by the main process of a multi-process run only."""
     paths = [metrics_path(stage, root), report_path(stage, root)]
+    if not distributed.is_main_process():
+        return paths
     for path, text in zip(paths, (json.dumps(metrics, indent=2, sort_keys=True) + "\n", report)):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+from components import distributed
 from components.files import atomic_directory
 
 if TYPE_CHECKING:  # torch/transformers take seconds to import; only pay for them when a model is loaded
@@ -120,12 +121,6 @@ def _from_pretrained(loader: Callable[..., T], name: str, resolved: str, **kwarg
         ) from error
 
 
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def load_causal_lm(
     name_or_path: str,
     cache_dir: str | Path,
@@ -144,7 +139,7 @@ def load_causal_lm(
         tokenizer.pad_token = tokenizer.eos_token
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id  # else generate() warns on every call
-    return model.to(device or _default_device()), tokenizer
+    return model.to(device or distributed.device()), tokenizer
 
 
 def load_sentence_embedder(name_or_path: str, cache_dir: str | Path) -> SentenceTransformer:
@@ -152,7 +147,7 @@ def load_sentence_embedder(name_or_path: str, cache_dir: str | Path) -> Sentence
     from sentence_transformers import SentenceTransformer
 
     resolved = resolve_model(name_or_path, cache_dir)
-    return _from_pretrained(SentenceTransformer, name_or_path, resolved, device=_default_device())
+    return _from_pretrained(SentenceTransformer, name_or_path, resolved, device=distributed.device())
 
 
 # ChatML, the format of SmolLM2-Instruct, so code tested on the tiny model sees the same prompt shape.

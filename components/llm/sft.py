@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from components import distributed
 from components.files import discard_unless_stamped
 
 if TYPE_CHECKING:  # heavy imports happen inside the functions that need them
@@ -128,11 +129,13 @@ def train_sft(
     dataset = dataset.select_columns(["prompt", "completion"])
     # Resuming is only correct for the same data and settings; anything else starts from the base model.
     fingerprint = _fingerprint(dataset, base_model, settings)
-    if discard_unless_stamped(checkpoints, fingerprint, checkpoints / "fingerprint.txt"):
-        log.info("checkpoints in %s were for other data or settings: starting over", checkpoints)
-
-    # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
-    model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")
+    with distributed.main_process_first():  # one process cleans up and converts a packaged model; the rest wait
+        if distributed.is_main_process() and discard_unless_stamped(checkpoints, fingerprint,
+                                                                   checkpoints / "fingerprint.txt"):
+            log.info("checkpoints in %s were for other data or settings: starting over", checkpoints)
+        # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
+        model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32",
+                                          device=distributed.device())
     if tokenizer.chat_template is None:  # a base model: give it ChatML, saved with the tokenizer for inference
         tokenizer.chat_template = CHATML_TEMPLATE
     fits = [i for i, (p, c) in enumerate(token_lengths(dataset, tokenizer)) if p + c <= settings.max_seq_len]
@@ -159,7 +162,7 @@ def train_sft(
         num_train_epochs=settings.epochs,
         max_steps=settings.max_steps,
         per_device_train_batch_size=settings.batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        gradient_accumulation_steps=distributed.per_process_accumulation(settings.gradient_accumulation_steps),
         learning_rate=settings.learning_rate,
         lr_scheduler_type="cosine",
         warmup_steps=settings.warmup,
@@ -205,14 +208,17 @@ def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | No
 
 def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path,
                 settings: TrainingSettings) -> Path:
-    if settings.lora is not None and settings.merge_lora:
-        trained = trained.merge_and_unload()
+    """The trained model at output_dir/model, written by the main process (the others wait until it is there)."""
     model_dir = output_dir / "model"
-    tmp = output_dir / ".model.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_for_inference(trained, tokenizer, tmp)
-    shutil.rmtree(model_dir, ignore_errors=True)
-    tmp.rename(model_dir)  # a half-written model never sits at model_dir
+    if distributed.is_main_process():
+        if settings.lora is not None and settings.merge_lora:
+            trained = trained.merge_and_unload()
+        tmp = output_dir / ".model.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_for_inference(trained, tokenizer, tmp)
+        shutil.rmtree(model_dir, ignore_errors=True)
+        tmp.rename(model_dir)  # a half-written model never sits at model_dir
+    distributed.wait_for_everyone()
     return model_dir
 
 
@@ -300,12 +306,13 @@ def _progress_log(earlier_seconds: float = 0.0) -> Any:
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if checkpoint.is_dir():  # the trainer saves the checkpoint, then calls on_save; unrounded, as resumes add
+            # the trainer saves the checkpoint (its main process), then calls on_save; unrounded, as resumes add
+            if state.is_world_process_zero and checkpoint.is_dir():
                 (checkpoint / SECONDS_FILE).write_text(f"{self.seconds()!r}\n", encoding="utf-8")
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
-            if not logs or "loss" not in logs:
+            if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             done = state.global_step - self.first_step
             elapsed = time.monotonic() - self.start
@@ -337,5 +344,5 @@ def load_trained_model(
 
     model = AutoPeftModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or distributed.device()
     return model.to(device), tokenizer

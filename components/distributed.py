@@ -1,0 +1,65 @@
+"""One stage, several processes: under `accelerate launch` or `torchrun` (WORLD_SIZE > 1) every process runs the
+stage and trains its share of each batch; the main process alone writes models, checkpoints, metrics and reports,
+and the others wait for it. For one process all of this does nothing, so a stage reads the same either way.
+
+The effective batch is the params' `batch_size × gradient_accumulation_steps` whatever the process count: each of N
+processes accumulates `gradient_accumulation_steps / N` batches, so the learning rate needs no change and N
+processes train what one would, within floating-point tolerance.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device() -> str:
+    """This process's device: its own GPU under a launcher (the LOCAL_RANK-th), else the CPU."""
+    import torch
+
+    return f"cuda:{local_rank()}" if torch.cuda.is_available() else "cpu"
+
+
+def _state():
+    import torch
+    from accelerate import PartialState
+
+    # the same process group the trainers join (transformers' use_cpu: gloo on a CPU, nccl on GPUs)
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def is_main_process() -> bool:
+    return world_size() == 1 or _state().is_main_process
+
+
+def wait_for_everyone() -> None:
+    if world_size() > 1:
+        _state().wait_for_everyone()
+
+
+@contextmanager
+def main_process_first() -> Iterator[None]:
+    """The main process runs the block first (a conversion into a cache, a cleanup), then the others."""
+    if world_size() == 1:
+        yield
+        return
+    with _state().main_process_first():
+        yield
+
+
+def per_process_accumulation(gradient_accumulation_steps: int) -> int:
+    """The gradient accumulation steps of one process that keep the effective batch of the params."""
+    processes = world_size()
+    if gradient_accumulation_steps % processes:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} does not divide among "
+                         f"{processes} processes: the effective batch (batch_size x gradient_accumulation_steps) is "
+                         f"kept whatever the process count, so set it to a multiple of {processes}")
+    return gradient_accumulation_steps // processes
