@@ -7,9 +7,9 @@ Serve an exported simulator, then point this script at it:
 
 It needs `trl` and OpenEnv's client (`pip install trl openenv-core`), and a model whose chat template TRL can parse
 tool calls from (Qwen2.5/Qwen3, Llama 3.1/3.2, ...); `--chat-template FILE` lends one to a model whose own template
-has no tools (TRL ships them: trl/chat_templates/qwen2_5.jinja fits any ChatML model). Each rollout is one episode of the simulator: `reset` starts it
-(its task and first state join the prompt), the model acts through the `act` tool, and the episode's reward is the
-sum of the simulator's rewards.
+has no tools (TRL ships them: trl/chat_templates/qwen2_5.jinja fits any ChatML model). Each rollout is one episode
+of the simulator: `reset` starts it (its task and first state join the prompt), the model acts through the `act`
+tool, and the episode's reward is the sum of the simulator's rewards.
 """
 from __future__ import annotations
 
