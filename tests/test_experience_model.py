@@ -17,6 +17,7 @@ from components.llm.backends import (
     HFGenerationBackend,
     LlamaCppBackend,
     OpenAICompatibleBackend,
+    PromptTooLong,
     VLLMBackend,
 )
 from components.llm.gguf_export import export_gguf, gguf_path
@@ -488,8 +489,17 @@ def test_llamacpp_backend_replies_like_the_hf_backend(tiny: Path, tmp_path: Path
     [stopped] = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, stop=[stop]).generate(prompts[:1], 10)
     assert stopped.endswith(stop) and hf[0].startswith(stopped) and len(stopped) < len(hf[0])
     assert len(llama.generate(prompts, max_new_tokens=10, temperature=1.0)) == 3
-    with pytest.raises(BackendError, match="context"):
-        llama.generate(["word " * 3000], max_new_tokens=10)
+    with pytest.raises(PromptTooLong, match="1 of 2 prompts .* exceed the llama.cpp context") as refused:
+        llama.generate([prompts[0], "word " * 3000], max_new_tokens=10)
+    assert refused.value.indices == (1,)
+    # in a batch of predictions the prompt that cannot fit falls back alone: the other one is still generated
+    stats = PredictionStats()
+    queries = [ExperienceQuery(TASK, KITCHEN, "open fridge"), ExperienceQuery(TASK, "word " * 3000, "open fridge")]
+    predictions = predict(llama, queries, fmt(), stats=stats, settings=inference(retries=0, max_new_tokens=10))
+    assert [p.fallback for p in predictions] == [True, True]  # a random tiny model writes nothing parsable
+    assert len(stats.failed_replies) == 1  # the short prompt's reply: it was generated
+    assert (stats.generations, stats.backend_calls, stats.backend_errors) == (1, 2, 1)
+    assert "PromptTooLong" in stats.last_backend_error
 
 
 class _ChatServer:

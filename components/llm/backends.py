@@ -35,6 +35,14 @@ class BackendError(RuntimeError):
     """A backend could not produce replies at all (an endpoint down, a refused request)."""
 
 
+class PromptTooLong(BackendError):
+    """Some prompts of a batch (`indices`) do not fit the backend's context; the others would have been answered."""
+
+    def __init__(self, message: str, indices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.indices = tuple(indices)
+
+
 class GenerationBackend(Protocol):
     """Turns prompts into replies, one per prompt, in order. Chat messages get the model's chat template."""
 
@@ -279,12 +287,15 @@ class LlamaCppBackend:
         self.llm.set_seed(seed)
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        encoded = [encode_prompt(self.tokenizer, prompt) for prompt in prompts]
+        too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > self.llm.n_ctx()]
+        if too_long:  # before generating anything: the caller answers the rest without them
+            longest = max(len(encoded[i]) for i in too_long)
+            raise PromptTooLong(f"{len(too_long)} of {len(prompts)} prompts (up to {longest} tokens) plus "
+                                f"{max_new_tokens} new tokens exceed the llama.cpp context of {self.llm.n_ctx()} "
+                                "tokens: raise llamacpp.context", too_long)
         replies = []
-        for prompt in prompts:
-            ids = encode_prompt(self.tokenizer, prompt)
-            if len(ids) + max_new_tokens > self.llm.n_ctx():
-                raise BackendError(f"a prompt of {len(ids)} tokens plus {max_new_tokens} new ones exceeds the "
-                                   f"llama.cpp context of {self.llm.n_ctx()} tokens: raise llamacpp.context")
+        for ids in encoded:
             new: list[int] = []
             # temp 0 is llama.cpp's greedy sampler; above it, plain sampling as sampling_settings asks of HF.
             for token in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,

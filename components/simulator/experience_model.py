@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from components.data.contract import Task, is_lookalike, is_outcome, rewarded_commands
-from components.llm.backends import BackendError, GenerationBackend, Message
+from components.llm.backends import BackendError, GenerationBackend, Message, PromptTooLong
 from components.simulator import state_changes
 from components.simulator.annotation import AnnotatedTransition
 from components.simulator.replay_buffer import ReplayBuffer, Retrieved
@@ -417,13 +417,14 @@ def predict(
     The first attempt uses `settings.temperature` (0: greedy); the unparsable replies (a reward outside
     `settings.reward_range` is one: the environment cannot give it) are generated again, up to `settings.retries`
     times, sampling at `settings.retry_temperature` at least (a greedy retry would repeat the same reply); what
-    still fails gets `fallback_prediction`.
+    still fails gets `fallback_prediction`. A prompt too long for the backend's context (`PromptTooLong`) falls back
+    at once, without costing the rest of its batch their replies.
     """
     stats = stats if stats is not None else PredictionStats()
     stats.requests += len(queries)
     prompts = [build_messages(q, fmt) for q in queries]
     results: list[Prediction | None] = [None] * len(queries)
-    pending = list(range(len(queries)))
+    pending, too_long = list(range(len(queries))), []  # too long for the backend's context: no retry helps
     for attempt in range(settings.retries + 1):
         if not pending:
             break
@@ -433,8 +434,19 @@ def predict(
         heat = settings.temperature if attempt == 0 else max(settings.temperature, settings.retry_temperature)
         stats.backend_calls += 1
         try:
-            replies = backend.generate([prompts[i] for i in pending], max_new_tokens=settings.max_new_tokens,
-                                       temperature=heat)
+            try:
+                replies = backend.generate([prompts[i] for i in pending], max_new_tokens=settings.max_new_tokens,
+                                           temperature=heat)
+            except PromptTooLong as error:  # those never fit and fall back; the rest of the batch is answered now
+                stats.backend_errors += 1
+                stats.last_backend_error = f"{type(error).__name__}: {error}"
+                log.warning("experience model: %s", error)
+                too_long += [pending[k] for k in error.indices]
+                pending = [i for i in pending if i not in too_long]
+                stats.generations -= len(error.indices)
+                stats.backend_calls += 1
+                replies = backend.generate([prompts[i] for i in pending], max_new_tokens=settings.max_new_tokens,
+                                           temperature=heat) if pending else []
             if len(replies) != len(pending):
                 raise BackendError(f"{len(replies)} replies for {len(pending)} prompts")
         except Exception as error:  # noqa: BLE001  (a rollout must survive a backend hiccup; the budget counts it)
@@ -455,6 +467,7 @@ def predict(
             else:
                 results[i] = replace(parsed, attempts=attempt + 1)
         pending = still
+    pending = sorted([*pending, *too_long])
     for i in pending:
         stats.fallbacks += 1
         results[i] = fallback_prediction(queries[i], attempts=settings.retries + 1)
