@@ -15,8 +15,9 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -62,14 +63,32 @@ class HFGenerationBackend:
         self.stop = list(stop)  # a reply ends at the first of these (kept): tokens after it would be thrown away
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
+        self._seed: int | None = None
+        self._calls = 0
 
     def reseed(self, seed: int) -> None:
-        """Sampling (temperature > 0) repeats after the same seed."""
+        """Sampling (temperature > 0) repeats after the same seed, on a random stream of the backend's own: the
+        process's torch RNG (an agent's, in the same process) is neither reset nor advanced."""
+        self._seed, self._calls = seed, 0
+
+    @contextmanager
+    def _own_random_stream(self) -> Iterator[None]:
+        if self._seed is None:  # never reseeded: sample from the process's stream, as generate always does
+            yield
+            return
         import torch
 
-        torch.manual_seed(seed)
+        devices = [self.model.device] if self.model.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the process's state comes back afterwards
+            torch.manual_seed(self._seed * 1_000_003 + self._calls)
+            self._calls += 1
+            yield
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        with self._own_random_stream():
+            return self._generate(prompts, max_new_tokens, temperature)
+
+    def _generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float) -> list[str]:
         import torch
 
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
