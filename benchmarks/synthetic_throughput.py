@@ -8,12 +8,13 @@ Every path predicts the same held-out real transitions (the ones `evaluate_exper
 `fidelity_max_transitions`, outcomes and look-alikes first; `--transitions` overrides the count) through
 `fidelity.model_predictor`: retrieval from the saved buffer, prompt building, generation, parsing, retries and
 fallbacks: what a synthetic step does. A path is a backend: `hf` (Hugging Face `generate`, batched as params say) or
-`llamacpp:<weights>[:draft<N>]` (the model exported to GGUF and run by llama.cpp, with prompt-lookup drafts of N
-tokens). By default every path uses the same trained model, prompt format and inference settings (`--params`,
-`--model`); `PATH@DIR` runs the backend on another checkout DIR instead: its params.yaml (prompt format, reply form,
-inference settings), its trained experience model and its buffer, so a model trained with another format is compared
-on the same transitions. Rounds alternate the order of the paths, so a machine that slows down does not favour one;
-times are summed over rounds.
+`llamacpp:<weights>[:draft<N>][:batch<B>]` (the model exported to GGUF and run by llama.cpp, with prompt-lookup
+drafts of N tokens, B sequences decoded together; default: the params' batch size, `batch1` one at a time). By
+default every path uses the same trained model, prompt format and inference settings (`--params`, `--model`);
+`PATH@DIR` runs the backend on another checkout DIR instead: its params.yaml (prompt format, reply form, inference
+settings), its trained experience model and its buffer, so a model trained with another format is compared on the
+same transitions. Rounds alternate the order of the paths, so a machine that slows down does not favour one; times
+are summed over rounds.
 
 Printed per path: transitions per second and the ratio to the first path; per transition, prompt and reply tokens
 and where the time went: retrieval (encoder and index), prompt encoding (the same prompts generated again for one
@@ -112,12 +113,15 @@ def main() -> None:
 
         buffer.retrieve_examples = timed_retrieve
         kind, _, options = backend_spec.partition(":")
-        weights, _, draft = options.partition(":")
+        weights, *extras = options.split(":")
+        draft = next((int(e.removeprefix("draft")) for e in extras if e.startswith("draft")),
+                     settings.inference.llamacpp.draft_tokens)
+        batch = next((int(e.removeprefix("batch")) for e in extras if e.startswith("batch")),
+                     settings.inference.batch_size)
         backend = Timed(make_backend(
-            kind, model, batch_size=settings.inference.batch_size, base_url=settings.inference.base_url,
+            kind, model, batch_size=batch, base_url=settings.inference.base_url,
             weight_type=weights or settings.inference.llamacpp.weight_type, threads=args.threads,
-            context=settings.inference.llamacpp.context,
-            draft_tokens=int(draft.removeprefix("draft")) if draft else settings.inference.llamacpp.draft_tokens,
+            context=settings.inference.llamacpp.context, draft_tokens=draft,
             cache_dir=root / params.models.cache_dir, stop=(REPLY_END,)))
         backend.backend.generate([[{"role": "user", "content": "warm up"}]], 4)  # first-call costs stay out
         fmt, inference = builders.prompt_format(path_params), builders.inference_settings(path_params)

@@ -511,6 +511,16 @@ def test_llamacpp_backend_replies_like_the_hf_backend(tiny: Path, tmp_path: Path
     [stopped] = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, stop=[stop]).generate(prompts[:1], 10)
     assert stopped.endswith(stop) and hf[0].startswith(stopped) and len(stopped) < len(hf[0])
     assert len(llama.generate(prompts, max_new_tokens=10, temperature=1.0)) == 3
+    # several sequences decoded together (batches of 2: one of two prompts, one of one): the same greedy replies
+    together = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, batch_size=2)
+    assert together.generate(prompts, max_new_tokens=10) == hf
+    [cut] = LlamaCppBackend(tiny, tmp_path, "f32", threads=1, context=1024, stop=[stop], batch_size=2).generate(
+        prompts[:1] * 2, 10)[:1]
+    assert cut == stopped
+    together.reseed(3)
+    sampled = together.generate(prompts, max_new_tokens=10, temperature=1.0)
+    together.reseed(3)
+    assert together.generate(prompts, max_new_tokens=10, temperature=1.0) == sampled != hf
     with pytest.raises(PromptTooLong, match="1 of 2 prompts .* exceed the llama.cpp context") as refused:
         llama.generate([prompts[0], "word " * 3000], max_new_tokens=10)
     assert refused.value.indices == (1,)

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:  # torch and transformers load inside the functions that need them
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -265,18 +267,19 @@ class LlamaCppBackend:
     Hugging Face tokenizer exactly as `HFGenerationBackend` encodes them (the same token ids reach the model), and
     llama.cpp keeps the key/value cache of the longest prefix a prompt shares with the previous one (the system
     message at least). A reply ends at end-of-sequence, at `max_new_tokens`, or with the token that completes a stop
-    string (kept, as with the HF backend). One sequence at a time: on this 2-core CPU, 8 sequences in one llama.cpp
-    batch cost about as much per token as one (benchmarks/llamacpp_batching.py).
+    string (kept, as with the HF backend). With `batch_size` > 1 the prompts of a call are decoded together, up to
+    that many at once, each its own sequence of a second llama.cpp context: every decoding step is one forward pass
+    for all of them (what it buys on a CPU: reports/research/experience_model/speed/).
 
-    `draft_tokens` > 0 turns on prompt-lookup decoding: after each token, up to that many tokens that followed the
-    same bigram earlier in the prompt or reply are checked in one forward pass and kept while they match the greedy
-    choice. A reply copies much of its prompt (the next state repeats the state), and on a CPU checking k tokens at
-    once costs about what prompt encoding does per token, far less than k decoding steps. Greedy replies are
-    unchanged; llama.cpp then keeps logits for every position (context x vocabulary floats).
+    `draft_tokens` > 0 turns on prompt-lookup decoding (one sequence at a time): after each token, up to that many
+    tokens that followed the same bigram earlier in the prompt or reply are checked in one forward pass and kept
+    while they match the greedy choice. A reply copies much of its prompt (the next state repeats the state), and on
+    a CPU checking k tokens at once costs about what prompt encoding does per token, far less than k decoding steps.
+    Greedy replies are unchanged; llama.cpp then keeps logits for every position (context x vocabulary floats).
     """
 
     def __init__(self, model_dir: str | Path, cache_dir: str | Path, weight_type: WeightType, threads: int,
-                 context: int, draft_tokens: int = 0, stop: Sequence[str] = ()) -> None:
+                 context: int, draft_tokens: int = 0, stop: Sequence[str] = (), batch_size: int = 1) -> None:
         from transformers import AutoTokenizer, GenerationConfig
 
         try:
@@ -293,17 +296,23 @@ class LlamaCppBackend:
         # The context is sized to what a prompt and its reply need, not the model's maximum: prefill cost grew with
         # it (measured without flash attention). Threads 0: every core this process may run on
         # (taskset, cgroups).
+        self.threads = threads or len(os.sched_getaffinity(0))
         self.llm = Llama(model_path=str(export_gguf(model_dir, weight_type, cache_dir)), n_ctx=context,
-                         flash_attn=True, n_threads=threads or len(os.sched_getaffinity(0)), n_batch=512, verbose=False,
+                         flash_attn=True, n_threads=self.threads, n_batch=512, verbose=False,
                          # logits_all: drafts are checked against every position's logits (llama-cpp-python
                          # 0.3.36 sizes its logits buffer by this argument, not by the draft model)
                          logits_all=bool(draft_tokens),
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None)
-        weakref.finalize(self, self.llm.close)  # freed with the backend, or at exit before the bindings unload
+        self.batch_size, self.draft_tokens = batch_size, draft_tokens
+        self._rng = np.random.default_rng(0)  # sampling of sequences decoded together
+        self._together: dict[str, Any] = {"context": None, "batch": None, "n_ctx": 0}  # made on first use
+        # freed with the backend, or at exit before the bindings unload: the batch's context before the model
+        weakref.finalize(self, _close_llama, self._together, self.llm)
 
     def reseed(self, seed: int) -> None:
         """Sampling (temperature > 0) repeats after the same seed."""
         self.llm.set_seed(seed)
+        self._rng = np.random.default_rng(seed)
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         encoded = [encode_prompt(self.tokenizer, prompt) for prompt in prompts]
@@ -313,25 +322,117 @@ class LlamaCppBackend:
             raise PromptTooLong(f"{len(too_long)} of {len(prompts)} prompts (up to {longest} tokens) plus "
                                 f"{max_new_tokens} new tokens exceed the llama.cpp context of {self.llm.n_ctx()} "
                                 "tokens: raise llamacpp.context", too_long)
-        replies = []
-        for ids in encoded:
-            new: list[int] = []
-            # temp 0 is llama.cpp's greedy sampler; above it, plain sampling as sampling_settings asks of HF.
-            for token in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                           reset=True):
+        if self.draft_tokens or self.batch_size == 1 or len(encoded) == 1:
+            new = [self._generate_one(ids, max_new_tokens, temperature) for ids in encoded]
+        else:
+            new = [tokens for start in range(0, len(encoded), self.batch_size)
+                   for tokens in self._generate_together(encoded[start:start + self.batch_size], max_new_tokens,
+                                                         temperature)]
+        return [self.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in new]
+
+    def _generate_one(self, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]:
+        new: list[int] = []
+        # temp 0 is llama.cpp's greedy sampler; above it, plain sampling as sampling_settings asks of HF.
+        for token in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            if token in self.end_ids:
+                break
+            new.append(token)
+            if len(new) >= max_new_tokens or self._stopped(new):
+                break
+        return new
+
+    def _generate_together(self, encoded: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+        """Every prompt its own sequence of one llama.cpp context: prefills share batches of 512 tokens, and each
+        decoding step is one forward pass for all the sequences still going (the weights are read once per step)."""
+        import llama_cpp as lc
+
+        context, batch = self._context_for(self.batch_size * max(len(ids) + max_new_tokens for ids in encoded))
+        lc.llama_memory_clear(lc.llama_get_memory(context), True)
+        vocabulary = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.llm._model.model))
+
+        def decode(items: list[tuple[int, int, int, bool]]) -> dict[int, np.ndarray]:
+            """Run (token, position, sequence, wants logits) through the model; the logits asked for, by sequence."""
+            batch.n_tokens = len(items)
+            for k, (token, position, sequence, wants) in enumerate(items):
+                batch.token[k], batch.pos[k], batch.n_seq_id[k], batch.logits[k] = token, position, 1, wants
+                batch.seq_id[k][0] = sequence
+            if lc.llama_decode(context, batch) != 0:
+                raise BackendError("llama_decode failed on a batch of sequences")
+            return {sequence: np.ctypeslib.as_array(lc.llama_get_logits_ith(context, k), shape=(vocabulary,)).copy()
+                    for k, (_, _, sequence, wants) in enumerate(items) if wants}
+
+        prompt_tokens = [(token, position, sequence, position == len(ids) - 1)
+                         for sequence, ids in enumerate(encoded) for position, token in enumerate(ids)]
+        logits: dict[int, np.ndarray] = {}
+        for start in range(0, len(prompt_tokens), 512):
+            logits.update(decode(prompt_tokens[start:start + 512]))
+        new: list[list[int]] = [[] for _ in encoded]
+        going = list(range(len(encoded)))
+        while going:
+            step = []
+            for sequence in going:
+                token = self._choose(logits[sequence], temperature)
                 if token in self.end_ids:
-                    break
-                new.append(token)
-                if len(new) >= max_new_tokens or self._stopped(new):
-                    break
-            replies.append(self.tokenizer.decode(new, skip_special_tokens=True))
-        return replies
+                    continue
+                new[sequence].append(token)
+                if len(new[sequence]) < max_new_tokens and not self._stopped(new[sequence]):
+                    step.append((token, len(encoded[sequence]) + len(new[sequence]) - 1, sequence, True))
+            going = [sequence for _, _, sequence, _ in step]
+            if step:
+                logits = decode(step)
+        return new
+
+    def _choose(self, logits: np.ndarray, temperature: float) -> int:
+        """Greedy at temperature 0, else plain sampling at that temperature (as sampling_settings asks of HF)."""
+        if temperature <= 0:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / temperature
+        probabilities = np.exp(scaled - scaled.max())
+        return int(self._rng.choice(len(probabilities), p=probabilities / probabilities.sum()))
+
+    def _context_for(self, tokens: int) -> tuple[Any, Any]:
+        """A llama.cpp context of `batch_size` sequences sharing a key/value cache of at least `tokens` cells (made
+        again, larger, when a batch needs more), and its token batch."""
+        import llama_cpp as lc
+
+        together = self._together
+        if together["n_ctx"] < tokens:
+            if together["context"] is not None:
+                lc.llama_free(together["context"])
+            params = lc.llama_context_default_params()
+            params.n_ctx = -(-tokens // 256) * 256
+            params.n_batch = params.n_ubatch = 512
+            params.n_seq_max = self.batch_size
+            params.kv_unified = False  # a stream of cells per sequence: attention never spans the others' cells
+            params.n_threads = params.n_threads_batch = self.threads
+            params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            from llama_cpp._utils import suppress_stdout_stderr
+
+            with suppress_stdout_stderr(disable=False):  # llama.cpp's context report, quiet as the Llama above
+                together["context"] = lc.llama_init_from_model(self.llm._model.model, params)
+            if together["context"] is None:
+                raise BackendError(f"llama.cpp could not make a context of {params.n_ctx} tokens")
+            together["n_ctx"] = params.n_ctx
+        if together["batch"] is None:
+            together["batch"] = lc.llama_batch_init(512, 0, self.batch_size)
+        return together["context"], together["batch"]
 
     def _stopped(self, new: list[int]) -> bool:
         if not self.stop:
             return False
         tail = self.tokenizer.decode(new[-16:], skip_special_tokens=True)  # 16 tokens hold any closing tag
         return any(s in tail for s in self.stop)
+
+
+def _close_llama(together: dict[str, Any], llm: Any) -> None:
+    import llama_cpp as lc
+
+    if together["batch"] is not None:
+        lc.llama_batch_free(together["batch"])
+    if together["context"] is not None:
+        lc.llama_free(together["context"])
+    llm.close()
 
 
 class VLLMBackend:
@@ -392,7 +493,8 @@ def make_backend(
         lm, tokenizer = load_trained_model(model)
         return HFGenerationBackend(lm, tokenizer, batch_size=batch_size, stop=stop)
     if kind == "llamacpp":
-        return LlamaCppBackend(model, cache_dir, weight_type, threads, context, draft_tokens, stop=stop)
+        return LlamaCppBackend(model, cache_dir, weight_type, threads, context, draft_tokens, stop=stop,
+                               batch_size=batch_size)
     if kind == "vllm":
         return VLLMBackend(model, stop=stop)
     if kind == "openai":
