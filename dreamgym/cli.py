@@ -9,7 +9,8 @@
   dreamgym params use PROFILE                      write a profile (profiles/NAME.yaml: quick, cpu, gpu) into it
   dreamgym coverage miniwob [TASK...]              what the text interface covers of each MiniWoB task (resumable)
   dreamgym simulator export DIR                    the trained simulator as a self-contained bundle (Gymnasium: DIR)
-  dreamgym simulator serve DIR [--port N]          a bundle behind OpenEnv's protocol, for many rollout workers
+  dreamgym simulator serve DIR [--port N]          a bundle behind OpenEnv's protocol, for many rollout workers;
+                        [--shadow SHARE]           that share of its episodes replayed in the real environment
 """
 from __future__ import annotations
 
