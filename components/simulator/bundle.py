@@ -181,6 +181,14 @@ class Bundle:
                                     self.inference_settings(),
                                     success_reward=self.simulator["success_rewards"].get(name))
 
+    def truncated(self, episode: Any, max_turns: int | None = None) -> bool:
+        """Whether the turn limit (the bundle's, or `max_turns`) ends a synthetic episode that its last step did not
+        end; it is then over, and a further step needs a reset."""
+        truncated = not episode.done and len(episode.steps) >= (max_turns or self.max_turns)
+        if truncated:
+            episode.done = True
+        return truncated
+
     def real_environment(self, name: str):
         """The adapter of the real environment `name` imitates and its settings, for shadow mode."""
         from components.config import EnvironmentsParams

@@ -58,7 +58,7 @@ class SimulatorEnv(gymnasium.Env):
         self.observation_space, self.action_space = AnyText(), AnyText()
         self.render_mode = render_mode
         self._rng = random.Random()
-        self._turns, self._last = 0, ""
+        self._last = ""
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         super().reset(seed=seed)
@@ -67,17 +67,13 @@ class SimulatorEnv(gymnasium.Env):
             if reseed := getattr(self.simulator.backend, "reseed", None):
                 reseed(seed)
         task = self.bundle.choose_task(self.environment, self._rng, (options or {}).get("task_id"))
-        self._turns = 0
         self._last = self.simulator.reset(task).state
         return self._last, {"task_id": task.task_id, "instruction": task.instruction}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         result = self.simulator.step(str(action))
-        self._turns += 1
         self._last = result.observation.state
-        truncated = not result.done and self._turns >= self.max_turns
-        if truncated:
-            self.simulator.episode.done = True  # the turn limit ends it: a further step needs a reset
+        truncated = self.bundle.truncated(self.simulator.episode, self.max_turns)
         info = {"fallback": result.info["fallback"], "reasoning": result.info.get("reasoning", ""),
                 "retrieved": result.info.get("retrieved", []), "success": result.info.get("success", False)}
         return self._last, float(result.reward), bool(result.done), truncated, info

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class Session:
     episode: Any = None  # synthetic.SyntheticEpisode, once reset
-    turns: int = 0
     shadowed: bool = False  # this episode goes to the shadow replay when it ends
     rng: random.Random = field(default_factory=random.Random)
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -116,7 +115,7 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
             session.rng.seed(data["seed"])
         task = bundle.choose_task(name, session.rng, data.get("task_id"))
         end_episode(session)
-        session.episode, session.turns = simulator.new_episode(task), 0
+        session.episode = simulator.new_episode(task)
         session.shadowed = shadowing is not None and shadowing.wants_next()
         return {"observation": {"text": session.episode.state, "task_id": task.task_id,
                                 "instruction": task.instruction, "truncated": False, "fallback": False,
@@ -126,10 +125,7 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
         if session.episode is None or session.episode.done:
             raise RuntimeError("the episode is over or was never started: send a reset")
         result = await batcher.step(session.episode, action)
-        session.turns += 1
-        truncated = not result.done and session.turns >= bundle.max_turns
-        if truncated:
-            session.episode.done = True
+        truncated = bundle.truncated(session.episode)
         if session.episode.done:
             end_episode(session)
         return {"observation": {"text": result.observation.state, "task_id": session.episode.task.task_id,
@@ -212,7 +208,8 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
                     elif kind == "state":
                         episode = session.episode
                         reply = {"type": "state", "data": {
-                            "episode_id": episode.trajectory_id if episode else None, "step_count": session.turns,
+                            "episode_id": episode.trajectory_id if episode else None,
+                            "step_count": len(episode.steps) if episode else 0,
                             "task_id": episode.task.task_id if episode else None}}
                     elif kind == "close":
                         break
