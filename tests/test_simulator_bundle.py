@@ -303,6 +303,9 @@ def test_shadow_mode_replays_its_share_of_episodes_in_the_real_game_and_reports_
     played = []  # steps of each episode, in the order the server saw them
     with _served(textworld_bundle, tmp_path, "--shadow", "0.5") as served:
         assert served.health["shadow"] == {"share": 0.5, "replayed": 0, "failed": 0, "pending": 0}
+        stateless = urllib.request.Request(f"http://127.0.0.1:{served.port}/reset", data=b'{"seed": 9}',
+                                           headers={"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(stateless, timeout=60).read())["done"] is False  # plays no step
         for seed in range(4):
             with connect(f"ws://127.0.0.1:{served.port}/ws") as connection:
                 reply = _ask(connection, {"type": "reset", "data": {"seed": seed}})
@@ -318,7 +321,7 @@ def test_shadow_mode_replays_its_share_of_episodes_in_the_real_game_and_reports_
                 break
             time.sleep(0.5)
         summary = served.get("/shadow")
-    # half the episodes, evenly spread: the first and the third
+    # half the played episodes, evenly spread: the first and the third (the stateless reset played none)
     assert summary["episodes_served"] == 4 and summary["failed_replays"] == 0 and summary["pending"] == 0
     outcomes, steps = summary["outcomes"], summary["steps"]
     assert outcomes["episodes"] + outcomes["env_failures"] == 2

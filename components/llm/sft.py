@@ -134,8 +134,7 @@ def train_sft(
                                                                    checkpoints / "fingerprint.txt"):
             log.info("checkpoints in %s were for other data or settings: starting over", checkpoints)
         # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
-        model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32",
-                                          device=distributed.device())
+        model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")  # this process's device
     if tokenizer.chat_template is None:  # a base model: give it ChatML, saved with the tokenizer for inference
         tokenizer.chat_template = CHATML_TEMPLATE
     fits = [i for i, (p, c) in enumerate(token_lengths(dataset, tokenizer)) if p + c <= settings.max_seq_len]

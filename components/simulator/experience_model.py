@@ -351,6 +351,11 @@ class PredictionStats:
             self.keep_failed(reply)
         self.last_backend_error = other.last_backend_error or self.last_backend_error
 
+    def backend_failed(self, error: Exception) -> None:
+        """Count a generate() call that raised, and keep why (for the budget's message)."""
+        self.backend_errors += 1
+        self.last_backend_error = f"{type(error).__name__}: {error}"
+
     def keep_failed(self, reply: str) -> None:
         if len(self.failed_replies) < FAILED_REPLIES_KEPT:
             self.failed_replies.append(reply)
@@ -438,8 +443,7 @@ def predict(
                 replies = backend.generate([prompts[i] for i in pending], max_new_tokens=settings.max_new_tokens,
                                            temperature=heat)
             except PromptTooLong as error:  # those never fit and fall back; the rest of the batch is answered now
-                stats.backend_errors += 1
-                stats.last_backend_error = f"{type(error).__name__}: {error}"
+                stats.backend_failed(error)
                 log.warning("experience model: %s", error)
                 too_long += [pending[k] for k in error.indices]
                 pending = [i for i in pending if i not in too_long]
@@ -450,8 +454,7 @@ def predict(
             if len(replies) != len(pending):
                 raise BackendError(f"{len(replies)} replies for {len(pending)} prompts")
         except Exception as error:  # noqa: BLE001  (a rollout must survive a backend hiccup; the budget counts it)
-            stats.backend_errors += 1
-            stats.last_backend_error = f"{type(error).__name__}: {error}"
+            stats.backend_failed(error)
             log.warning("experience model backend failed (attempt %d): %s", attempt + 1, error)
             continue
         still = []

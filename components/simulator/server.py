@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Session:
     episode: Any = None  # synthetic.SyntheticEpisode, once reset
-    shadowed: bool = False  # this episode goes to the shadow replay when it ends
+    ended: bool = False  # the episode has been offered to the shadow replay (once per episode)
     rng: random.Random = field(default_factory=random.Random)
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -105,18 +105,21 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
     app.state.batcher, app.state.sessions = batcher, sessions
 
     def end_episode(session: Session) -> None:
-        """Hand a shadowed episode (finished, or left unfinished by a reset or a disconnect) to the replay."""
-        if session.shadowed and shadowing is not None:
-            session.shadowed = False
-            shadowing.submit(record_trajectory(session.episode))
+        """Offer a played episode (finished, or left unfinished by a reset or a disconnect) to the shadow replay,
+        once; an episode without a step (a stateless `POST /reset`, say) is not one the share counts."""
+        episode = session.episode
+        if shadowing is None or episode is None or not episode.steps or session.ended:
+            return
+        session.ended = True
+        if shadowing.wants_next():
+            shadowing.submit(record_trajectory(episode))
 
     def first_observation(session: Session, data: dict[str, Any]) -> dict[str, Any]:
         if data.get("seed") is not None:
             session.rng.seed(data["seed"])
         task = bundle.choose_task(name, session.rng, data.get("task_id"))
         end_episode(session)
-        session.episode = simulator.new_episode(task)
-        session.shadowed = shadowing is not None and shadowing.wants_next()
+        session.episode, session.ended = simulator.new_episode(task), False
         return {"observation": {"text": session.episode.state, "task_id": task.task_id,
                                 "instruction": task.instruction, "truncated": False, "fallback": False,
                                 "retrieved": [], "reasoning": ""}, "reward": None, "done": False}

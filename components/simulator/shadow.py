@@ -45,18 +45,17 @@ class Shadow:
         self._worker.start()
 
     def wants_next(self) -> bool:
-        """Whether the next episode served is shadowed: exactly `share` of them, evenly spread, the first included."""
+        """Whether the next played episode is shadowed: exactly `share` of them, evenly spread, the first included."""
         self.episodes_served += 1
         n = self.episodes_served
         return math.ceil(n * self.share) > math.ceil((n - 1) * self.share)
 
     def submit(self, episode: Trajectory) -> None:
-        """A finished (or abandoned) served episode to replay; one without steps has nothing to compare."""
-        if episode.steps:
-            # the task as the real environment takes it: without the first state the bundle gave it
-            task = episode.task
-            self._queue.put(replace(episode, task=replace(task, parameters={
-                k: v for k, v in task.parameters.items() if k != "initial_state"})))
+        """A finished (or abandoned) served episode to replay, in the task as the real environment takes it: without
+        the first state the bundle gave it."""
+        task = episode.task
+        self._queue.put(replace(episode, task=replace(task, parameters={
+            k: v for k, v in task.parameters.items() if k != "initial_state"})))
 
     @property
     def pending(self) -> int:
