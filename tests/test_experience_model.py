@@ -521,6 +521,9 @@ def test_llamacpp_backend_replies_like_the_hf_backend(tiny: Path, tmp_path: Path
     sampled = together.generate(prompts, max_new_tokens=10, temperature=1.0)
     together.reseed(3)
     assert together.generate(prompts, max_new_tokens=10, temperature=1.0) == sampled != hf
+    # the prefix all prompts share is encoded once and copied to each sequence; a later call keeps what it can of it
+    assert together.generate(prompts[::-1], max_new_tokens=10) == hf[::-1]
+    assert together.generate([prompts[0], "Hello"], max_new_tokens=10)[0] == hf[0]  # nothing shared
     with pytest.raises(PromptTooLong, match="1 of 2 prompts .* exceed the llama.cpp context") as refused:
         llama.generate([prompts[0], "word " * 3000], max_new_tokens=10)
     assert refused.value.indices == (1,)

@@ -305,7 +305,8 @@ class LlamaCppBackend:
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None)
         self.batch_size, self.draft_tokens = batch_size, draft_tokens
         self._rng = np.random.default_rng(0)  # sampling of sequences decoded together
-        self._together: dict[str, Any] = {"context": None, "batch": None, "n_ctx": 0}  # made on first use
+        # made on first use; prefix: the tokens sequence 0 holds from the last call that all its prompts began with
+        self._together: dict[str, Any] = {"context": None, "batch": None, "n_ctx": 0, "prefix": []}
         # freed with the backend, or at exit before the bindings unload: the batch's context before the model
         weakref.finalize(self, _close_llama, self._together, self.llm)
 
@@ -348,7 +349,7 @@ class LlamaCppBackend:
         import llama_cpp as lc
 
         context, batch = self._context_for(self.batch_size * max(len(ids) + max_new_tokens for ids in encoded))
-        lc.llama_memory_clear(lc.llama_get_memory(context), True)
+        memory = lc.llama_get_memory(context)
         vocabulary = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.llm._model.model))
 
         def decode(items: list[tuple[int, int, int, bool]]) -> dict[int, np.ndarray]:
@@ -362,11 +363,26 @@ class LlamaCppBackend:
             return {sequence: np.ctypeslib.as_array(lc.llama_get_logits_ith(context, k), shape=(vocabulary,)).copy()
                     for k, (_, _, sequence, wants) in enumerate(items) if wants}
 
-        prompt_tokens = [(token, position, sequence, position == len(ids) - 1)
-                         for sequence, ids in enumerate(encoded) for position, token in enumerate(ids)]
-        logits: dict[int, np.ndarray] = {}
-        for start in range(0, len(prompt_tokens), 512):
-            logits.update(decode(prompt_tokens[start:start + 512]))
+        def prefill(tokens: list[tuple[int, int, int, bool]]) -> dict[int, np.ndarray]:
+            logits: dict[int, np.ndarray] = {}
+            for start in range(0, len(tokens), 512):
+                logits.update(decode(tokens[start:start + 512]))
+            return logits
+
+        # The prefix every prompt shares (the system message, the task when one task's episodes step together) is
+        # encoded once, in sequence 0, and its key/value stream copied to the others; sequence 0 keeps what it
+        # already holds of it from the previous call. Each prompt keeps at least its last token, whose logits start
+        # its reply.
+        shared = os.path.commonprefix(encoded)[:min(len(ids) for ids in encoded) - 1]
+        kept = len(os.path.commonprefix([shared, self._together["prefix"]]))
+        lc.llama_memory_seq_rm(memory, 0, kept, -1)
+        self._together["prefix"] = []  # until sequence 0 holds all of it
+        prefill([(token, kept + i, 0, False) for i, token in enumerate(shared[kept:])])
+        for sequence in range(1, len(encoded)):  # across streams llama.cpp copies the whole stream, at next decode
+            lc.llama_memory_seq_cp(memory, 0, sequence, -1, -1)
+        self._together["prefix"] = shared
+        logits = prefill([(ids[position], position, sequence, position == len(ids) - 1)
+                          for sequence, ids in enumerate(encoded) for position in range(len(shared), len(ids))])
         new: list[list[int]] = [[] for _ in encoded]
         going = list(range(len(encoded)))
         while going:
@@ -413,7 +429,7 @@ class LlamaCppBackend:
                 together["context"] = lc.llama_init_from_model(self.llm._model.model, params)
             if together["context"] is None:
                 raise BackendError(f"llama.cpp could not make a context of {params.n_ctx} tokens")
-            together["n_ctx"] = params.n_ctx
+            together["n_ctx"], together["prefix"] = params.n_ctx, []
         if together["batch"] is None:
             together["batch"] = lc.llama_batch_init(512, 0, self.batch_size)
         return together["context"], together["batch"]
