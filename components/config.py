@@ -392,6 +392,9 @@ class StudyParams(Section):
     real_budget: int = Field(gt=0, description="B: real transitions of the real-environment RL baseline")
     s2r_share: float = Field(ge=0, le=1, description="DreamGym-S2R's real budget as a share of B (paper: 0.1)")
     variants: list[str] = Field(description="the variants to run by name; empty: all")
+    on_work_pool: bool = Field(description=(
+        "each run a flow run of the study_row deployment on prefect.work_pool, in a workspace of its own: the "
+        "pool's workers run as many at once as they take; false: one after another in this checkout"))
 
 
 class PrefectParams(Section):

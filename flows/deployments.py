@@ -23,6 +23,8 @@ from components.config import Params
 
 SEED_ONBOARDED = "dreamgym.seed.onboarded"
 PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline_flow"  # relative to the checkout: the worker runs it there
+STUDY_ROW_ENTRYPOINT = "flows/study.py:study_row_flow"
+STUDY_ROW_DEPLOYMENT = "rows"  # study_row/rows in the UI
 CRON_SLUG = "retrain-cron"  # a named schedule: a later deploy updates it in place instead of adding another
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,22 @@ def deploy(root: Path, params: Params) -> list[UUID]:
         remove_retrain_schedule(params.prefect.deployment)
     return prefect_deploy(retraining_deployment(root, params), work_pool_name=params.prefect.work_pool,
                           build=False, push=False, print_next_steps_message=False, ignore_warnings=True)
+
+
+def deploy_study_row(root: Path, params: Params) -> UUID:
+    """Register the study_row flow of the checkout at `root` on the configured server (the results study's runs,
+    with study.on_work_pool), in the process work pool; no schedule: the study submits its runs. Any number at once:
+    each has a workspace of its own, and the pool's workers decide how many run together."""
+    from prefect import Flow
+    from prefect import deploy as prefect_deploy
+
+    ensure_process_pool(params.prefect.work_pool)
+    row = Flow.from_source(source=str(root), entrypoint=STUDY_ROW_ENTRYPOINT).to_deployment(
+        name=STUDY_ROW_DEPLOYMENT, work_pool_name=params.prefect.work_pool,
+        description=f"A results-study run of {root}, in a workspace of its own", tags=["dreamgym", "study"])
+    [deployment_id] = prefect_deploy(row, work_pool_name=params.prefect.work_pool, build=False, push=False,
+                                     print_next_steps_message=False, ignore_warnings=True)
+    return deployment_id
 
 
 def remove_retrain_schedule(deployment: str) -> None:

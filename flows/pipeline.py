@@ -34,12 +34,14 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
 
 
-def run_logged(command: list[str]) -> None:
-    """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI)."""
+def run_logged(command: list[str], cwd: str | Path | None = None) -> None:
+    """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI). In another
+    checkout `cwd` it imports that checkout's code (dreamgym refuses to run one checkout's stages with another's)."""
     logger = get_run_logger()
+    env = _env() if cwd is None else dict(_env(), PYTHONPATH=str(Path(cwd).resolve()))
     # errors="replace": a game engine may echo a byte that is not UTF-8 (dumb-frotz on a policy's odd command)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               errors="replace", env=_env())
+                               errors="replace", env=env, cwd=cwd)
     assert process.stdout is not None
     try:
         for line in process.stdout:

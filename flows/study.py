@@ -4,19 +4,28 @@ the table.
 Thin, like flows/pipeline.py: DVC reruns only what a variant's params change (the ablations reuse the cached
 warm start, sim-to-real variants the cached synthetic RL), each finished run's metrics are kept in
 `study.results_dir/<environment>/<variant>-seed<k>/` so a rerun skips it, and the report is a Prefect artifact.
+
+With `study.on_work_pool`, each run is a flow run of the `study_row` deployment on `prefect.work_pool` instead: a
+worker runs it in a workspace of its own (components/results/workspace.py) and returns its files, which this flow
+keeps; the pool's workers run as many rows at once as they take (`prefect worker start --limit 1` each, one per
+machine or per core budget).
 """
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 
 from components.config import ParamsError, active_profile, load_params
 from components.results import study
+from components.results.workspace import make_workspace, working_state
+from flows import deployments
 from flows.pipeline import PARAMS, run_logged
 from stages import sim_to_real
 from stages.common import StageError
@@ -37,6 +46,20 @@ def restore_params() -> bool:
     return True
 
 
+ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by flow run, in the worker's checkout
+
+
+def run_command(overrides: dict, target: str) -> list[str]:
+    return ["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}" for key, value in overrides.items()],
+            target]
+
+
+def run_record(name: str, overrides: dict, profile: str, started: float, cwd: str | Path = ".") -> dict:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd).stdout.strip()
+    return {"run": name, "params_set": overrides, "profile": profile, "commit": commit,
+            "seconds": round(time.monotonic() - started, 1)}
+
+
 @task(task_run_name="{name}")
 def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluated_in: Path | None = None) -> None:
     """One pipeline run with `overrides` up to the stage `target`; its metrics (from the stage root `evaluated_in`
@@ -48,14 +71,57 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
     partial.replace(PARAMS_BACKUP)  # whole or not at all: a half-written backup would be restored over the user's file
     started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
-        run_logged(["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}"
-                                            for key, value in overrides.items()], target])
+        run_logged(run_command(overrides, target))
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
         PARAMS_BACKUP.unlink(missing_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    study.keep_run(run_dir, {"run": name, "params_set": overrides, "profile": profile, "commit": commit,
-                             "seconds": round(time.monotonic() - started, 1)}, evaluated_in=evaluated_in)
+    study.keep_run(run_dir, run_record(name, overrides, profile, started), evaluated_in=evaluated_in)
+
+
+@flow(name="study_row", flow_run_name="{name}", persist_result=True)
+def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | None, commit: str,
+                   state: dict[str, str], profile: str) -> dict[str, str]:
+    """One study run on a worker: a workspace of the study's `commit` and working `state` (params.yaml, data.dvc,
+    dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
+    returned to the study. The workspace is removed after a run that finished, kept after one that failed."""
+    workspace = make_workspace(".", commit, ROW_WORKSPACES / str(flow_run.id), state)
+    get_run_logger().info("%s: running in %s", name, workspace)
+    started = time.monotonic()
+    run_logged(run_command(overrides, target), cwd=workspace)
+    files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None),
+             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, started, workspace), indent=2,
+                                          sort_keys=True) + "\n"}
+    shutil.rmtree(workspace)
+    return files
+
+
+@task(task_run_name="on the work pool: {name}")
+def submit_row(name: str, overrides: dict, target: str, evaluated_in: Path | None, commit: str,
+               state: dict[str, str], profile: str) -> str:
+    """A flow run of the study_row deployment for this run, left to the pool's workers; its id."""
+    from prefect.deployments import run_deployment
+
+    submitted = run_deployment(f"study_row/{deployments.STUDY_ROW_DEPLOYMENT}", timeout=0, flow_run_name=name,
+                               parameters={"name": name, "overrides": overrides, "target": target,
+                                           "evaluated_in": str(evaluated_in) if evaluated_in else None,
+                                           "commit": commit, "state": state, "profile": profile})
+    return str(submitted.id)
+
+
+@task(task_run_name="keep {name}")
+def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
+    """Wait for the row's flow run; keep its files in `run_dir` when it completed, else fail naming its state."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        while not (run := client.read_flow_run(UUID(flow_run_id))).state.is_final():
+            time.sleep(5)
+    if not run.state.is_completed():
+        raise RuntimeError(f"{name}: its flow run {run.name} ended {run.state.name}: {run.state.message} (its log "
+                           "is in the Prefect UI; the workspace is kept in the worker's .dvc/tmp/study_rows/)")
+    study.keep_files(run_dir, run.state.result())
 
 
 @task
@@ -80,7 +146,11 @@ def results_study_flow() -> dict:
     params, profile = load_params(PARAMS), active_profile(PARAMS)
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
-    failed = []
+    failed, submitted = [], []
+    if settings.on_work_pool:
+        deployments.deploy_study_row(Path.cwd(), params)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        state = working_state(".")
     # one experience model and one policy per environment: each run trains on one, its folder under the environment's
     runs = [(environment, seed, variant) for environment in settings.environments for seed in settings.seeds
             for variant in study.select_variants(tuple(settings.algorithms), settings.variants)]
@@ -101,8 +171,14 @@ def results_study_flow() -> dict:
         if study.is_finished(run_dir, profile, overrides):
             continue
         evaluated_in = round_path(params) if variant.target == "correction_rounds" else None
-        state = run_variant(name, overrides, run_dir, variant.target, evaluated_in, return_state=True)
-        if not state.is_completed():
+        if settings.on_work_pool:
+            submitted.append((name, run_dir, submit_row(name, overrides, variant.target, evaluated_in, commit, state,
+                                                        profile)))
+        elif not run_variant(name, overrides, run_dir, variant.target, evaluated_in,
+                             return_state=True).is_completed():
+            failed.append(name)
+    for name, run_dir, flow_run_id in submitted:  # in the order submitted; the workers run them at once
+        if not keep_row(name, flow_run_id, run_dir, return_state=True).is_completed():
             failed.append(name)
     metrics = report(results_dir, confidence, tuple(settings.algorithms))
     if failed:

@@ -1,15 +1,17 @@
 """The pipeline as it exists, through DVC and through a real (temporary) Prefect server."""
 import csv
 import json
+import os
 import re
 import shutil
+import subprocess
 
 import pytest
 
 from components.data.contract import read_trajectories
 from components.rl.loop import TIME_SPLIT
 from stages.common import STAGES
-from tests.conftest import REPO, SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
+from tests.conftest import BIN, REPO, SMALL_RUN, copy_project, run, set_params, tiny_experience_model, tiny_policy
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +353,83 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     kept = (results / "demo-kitchen" / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns
     results_study_flow()  # every run is kept: nothing reruns
     assert (results / "demo-kitchen" / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns == kept
+
+
+def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_the_projects_cache(onboarded, tmp_path,
+                                                                                                   monkeypatch):
+    from components.results.workspace import make_workspace, project_cache_dir, working_state
+
+    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "study@example.invalid")
+    run("git", "add", "-A", cwd=onboarded)
+    run("git", "commit", "-q", "-m", "the user's project", cwd=onboarded)
+    commit = run("git", "rev-parse", "HEAD", cwd=onboarded).stdout.strip()
+    set_params(onboarded, {"study.seeds": [4]})  # not committed: the study runs what params.yaml says now
+    (onboarded / "flows" / "pipeline.py").write_text("uncommitted code is not the study's\n")
+    state = working_state(onboarded)
+
+    workspace = make_workspace(onboarded, commit, tmp_path / "row", state)
+    assert run("git", "rev-parse", "HEAD", cwd=workspace).stdout.strip() == commit
+    assert (workspace / "params.yaml").read_text() == (onboarded / "params.yaml").read_text()
+    assert (workspace / "flows" / "pipeline.py").read_text() == (REPO / "flows" / "pipeline.py").read_text()
+    assert project_cache_dir(workspace) == project_cache_dir(onboarded)  # one cache: the run cache is shared
+    assert (workspace / "data" / "trajectories.jsonl").read_bytes() == \
+        (onboarded / "data" / "trajectories.jsonl").read_bytes()
+    (workspace / "stale").write_text("a killed row's leftovers")
+    assert not (make_workspace(onboarded, commit, tmp_path / "row", state) / "stale").exists()
+
+
+@pytest.mark.slow
+def test_two_workers_of_the_work_pool_run_two_study_rows_at_once(onboarded, monkeypatch, prefect_api, tiny_model_dir):
+    """With study.on_work_pool each run is a flow run of the study_row deployment: two process workers of the pool
+    (one run at a time each) run the two rows at the same time, each in a workspace of its own sharing the project's
+    DVC cache; the study keeps what they return, leaves params.yaml alone and no workspace behind."""
+    from prefect.client.orchestration import get_client
+
+    from flows.study import results_study_flow
+
+    pool = "study-rows-test"
+    set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
+                           "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
+                           "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
+                           "study.environments": ["demo-kitchen"], "study.algorithms": ["grpo"],
+                           "study.variants": ["dreamgym-grpo", "no-curriculum"], "study.on_work_pool": True,
+                           "prefect.work_pool": pool})
+    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+        monkeypatch.setenv(variable, "study test")
+    for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "study@example.invalid")
+    run("git", "add", "-A", cwd=onboarded)
+    run("git", "commit", "-q", "-m", "the user's project", cwd=onboarded)
+    params_before = (onboarded / "params.yaml").read_text()
+    monkeypatch.chdir(onboarded)
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    workers = [subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process",
+                                 "--limit", "1", "--name", f"worker-{k}"], env=env, cwd=onboarded,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in (1, 2)]
+    try:
+        metrics = results_study_flow()
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait(timeout=60)
+
+    results = onboarded / "reports" / "results_study" / "demo-kitchen"
+    assert sorted(p.name for p in results.iterdir()) == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
+    head = run("git", "rev-parse", "HEAD", cwd=onboarded).stdout.strip()
+    for name in ("dreamgym-grpo-seed0", "no-curriculum-seed0"):
+        record = json.loads((results / name / "run.json").read_text())
+        assert record["commit"] == head and record["seconds"] > 0
+        assert json.loads((results / name / "evaluate_policies.json").read_text())["synthetic_grpo"]
+    assert set(metrics) == {"SFT only", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum"}
+    assert (onboarded / "params.yaml").read_text() == params_before
+    assert not any((onboarded / ".dvc" / "tmp" / "study_rows").iterdir())  # finished workspaces are removed
+    with get_client(sync_client=True) as client:
+        rows = [r for r in client.read_flow_runs() if r.name.startswith("demo-kitchen/")]
+    assert sorted(r.name for r in rows) == ["demo-kitchen/dreamgym-grpo-seed0", "demo-kitchen/no-curriculum-seed0"]
+    assert all(r.state.is_completed() for r in rows)
+    first, second = sorted(rows, key=lambda r: r.start_time)
+    assert second.start_time < first.end_time  # the two ran at the same time
 
 
 def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypatch, prefect_server):

@@ -141,16 +141,25 @@ def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[s
 
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
              evaluated_in: str | Path | None = None) -> Path:
-    """Copy a finished run's RUN_FILES and its games (GAMES_FILE) from the stage root that evaluated its policies
-    (`evaluated_in`, default `root`; a correction run's last round, and then its CORRECTION_FILE too) and its record
-    into `run_dir`, whole or not at all (a rerun replaces it)."""
+    """Keep a finished run's files (`run_files`) and its record in `run_dir`, whole or not at all (a rerun replaces
+    it)."""
+    return keep_files(run_dir, {**run_files(root, evaluated_in),
+                                RUN_RECORD: json.dumps(record, indent=2, sort_keys=True) + "\n"})
+
+
+def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None) -> dict[str, str]:
+    """A finished run's RUN_FILES and its games (GAMES_FILE), by name, from the stage root that evaluated its
+    policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too)."""
     sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
     sources += [Path(root) / "metrics" / CORRECTION_FILE] if evaluated_in is not None else []
+    return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()}
+
+
+def keep_files(run_dir: str | Path, files: dict[str, str]) -> Path:
+    """Write a run's files (name -> text) as `run_dir`, whole or not at all."""
     with atomic_directory(Path(run_dir), replace=True) as partial:
-        for source in sources:
-            if source.is_file():
-                shutil.copy(source, partial / source.name)
-        (partial / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for name, text in files.items():
+            (partial / name).write_text(text, encoding="utf-8")
     return Path(run_dir)
 
 
