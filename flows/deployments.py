@@ -91,6 +91,16 @@ def deploy_study_row(root: Path, params: Params) -> UUID:
     return deployment_id
 
 
+def online_workers(pool: str) -> list[str]:
+    """The names of the pool's workers the server sees online."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import WorkerStatus
+
+    with get_client(sync_client=True) as client:
+        return [worker.name for worker in client.read_workers_for_work_pool(pool)
+                if worker.status == WorkerStatus.ONLINE]
+
+
 def remove_retrain_schedule(deployment: str) -> None:
     """A deploy updates the named schedules it sends and keeps the others, so a schedule set to null in
     params.yaml is deleted here, with its future runs. Before the deploy, not after: the update that follows is

@@ -149,6 +149,10 @@ def results_study_flow() -> dict:
     failed, submitted = [], []
     if settings.on_work_pool:
         deployments.deploy_study_row(Path.cwd(), params)
+        if not deployments.online_workers(params.prefect.work_pool):
+            get_run_logger().warning("no worker of the work pool %r is online: the study's runs wait for one "
+                                     "(`prefect worker start --pool %s --type process --limit 1` in this checkout)",
+                                     params.prefect.work_pool, params.prefect.work_pool)
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         state = working_state(".")
     # one experience model and one policy per environment: each run trains on one, its folder under the environment's
