@@ -11,10 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def local_rank() -> int:
@@ -63,3 +68,52 @@ def per_process_accumulation(gradient_accumulation_steps: int) -> int:
                          f"{processes} processes: the effective batch (batch_size x gradient_accumulation_steps) is "
                          f"kept whatever the process count, so set it to a multiple of {processes}")
     return gradient_accumulation_steps // processes
+
+
+def broadcast(value: Any) -> Any:
+    """The main process's `value`, in every process (the others' `value` is ignored)."""
+    if world_size() == 1:
+        return value
+    import torch.distributed as dist
+
+    _state()  # joins the process group
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Every process's `value`, in rank order."""
+    if world_size() == 1:
+        return [value]
+    import torch.distributed as dist
+
+    _state()
+    values: list[Any] = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def sum_gradients(parameters: list[Any]) -> None:
+    """Each parameter's gradient summed over the processes, where each holds the gradient of its share of a sum (a
+    loss over micro-batches): every process then holds the gradient one process would have. A parameter no process
+    has a gradient for keeps none, as in one process (the optimizer skips it)."""
+    if world_size() == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    _state()
+    has_grad = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32,
+                            device=parameters[0].device)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+    for parameter, anywhere in zip(parameters, has_grad.tolist(), strict=True):
+        if anywhere:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad)
+
+
+def sum_numbers(numbers: dict[str, float]) -> dict[str, float]:
+    """Each number summed over the processes."""
+    return {key: sum(part[key] for part in all_gather(numbers)) for key in numbers}

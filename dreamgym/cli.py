@@ -25,9 +25,10 @@ from pathlib import Path
 
 import yaml
 
+from components import distributed
 from components.config import ParamsError, load_params
 from components.simulator.experience_model import ExperienceModelFailure
-from stages.common import RENAMED, STAGES, StageError
+from stages.common import RANK_AWARE_STAGES, RENAMED, STAGES, StageError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2  # onboarding: 1 also means "some records were quarantined"
 # Prefect gives its temporary server 20 s to start, which a machine busy training can miss ("Timed out while
@@ -120,6 +121,11 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "data":
         return _onboard(args, params)
     if args.command == "stage":
+        if distributed.world_size() > 1 and args.name not in RANK_AWARE_STAGES:
+            print(f"error: the stage {args.name} is not rank-aware: under a launcher every process would run all of "
+                  f"it and write its outputs. Run it as one process (`dreamgym stage {args.name}`); these run on "
+                  f"several: {', '.join(RANK_AWARE_STAGES)}", file=sys.stderr)
+            return EXIT_UNUSABLE
         return _run(lambda: importlib.import_module(f"stages.{args.name}").run(params))
     if args.command == "flow":
         from flows import pipeline

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.builders import (
     curriculum_and_writer,
     curve_probe,
@@ -45,6 +46,9 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     experience = params.experience_model
     simulator = run_identity(root / experience.out_dir / "model", root / params.buffer.out_dir, experience.prompt,
                              experience.inference, params.models.experience)
+    if buffer.backend == "weaviate" and distributed.world_size() > 1:
+        raise StageError("synthetic_rl on several processes needs the embedded buffer (buffer.backend: embedded): "
+                         "each process would copy the Weaviate collection")
     if buffer.backend == "weaviate":
         # Synthetic experience never alters index_buffer's collection: the run adds to its own copy, named by what
         # resumes its checkpoints (and its out_dir), so a resumed run finds it again and no other run shares it.
@@ -63,6 +67,9 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
                    rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
                    generator=generator, environment=simulator, curve=curve_probe(params))
+    if not distributed.is_main_process():  # the main process played every episode and writes the outputs
+        buffer.close()
+        return {}
     budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
     buffer.save(root / settings.out_dir / "replay_buffer")
     curriculum.write_tasks(root / settings.out_dir / "generated_tasks.jsonl")

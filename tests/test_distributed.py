@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import BIN, REPO, copy_project, run, set_params, tiny_experience_model
+from tests.conftest import BIN, REPO, copy_project, run, set_params, tiny_experience_model, tiny_policy
 
 TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"]  # --standalone: a free port
 
@@ -83,3 +83,81 @@ def test_two_processes_train_the_experience_model_one_process_trains(project_tem
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-6), key
     assert not (two / "models" / "experience" / ".model.partial").exists()
     assert (launched.stdout + launched.stderr).count("step 4/4 loss") == 1  # one progress log, the main process's
+
+
+@pytest.mark.slow  # four small trainings and a torchrun start: about two minutes
+def test_two_processes_take_the_ppo_step_one_process_takes(project_template, tmp_path, tiny_model_dir):
+    """`torchrun --nproc_per_node 2 dreamgym stage synthetic_rl` with PPO on the CPU: the main process plays the
+    iteration, each process scores and trains every other micro-batch, the gradients are summed, so the policy is the
+    one a single process trains; the outputs are written once."""
+    one = copy_project(project_template, tmp_path / "one")
+    run("dreamgym", "data", "onboard", "examples/seed/demo-kitchen.jsonl", cwd=one)
+    simulator = _ScriptedExperienceServer()  # rewards that vary with the action: without them PPO has no gradient
+    set_params(one, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
+                     "policy.environments": ["demo-kitchen"], "synthetic_rl.algorithm": "ppo",
+                     "synthetic_rl.iterations": 1, "synthetic_rl.group_size": 4, "synthetic_rl.micro_batch_size": 1,
+                     "synthetic_rl.learning_rate": 1e-3, "synthetic_rl.curriculum.enabled": False,
+                     "experience_model.inference.backend": "openai",
+                     "experience_model.inference.base_url": simulator.url})
+    for stage in ("annotate", "index_buffer", "train_experience_model", "train_policy_sft"):
+        run("dreamgym", "stage", stage, cwd=one)
+    two = tmp_path / "two"
+    shutil.copytree(one, two, symlinks=True)
+
+    run("dreamgym", "stage", "synthetic_rl", cwd=one)
+    launched = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "synthetic_rl"], cwd=two,
+                              capture_output=True, text=True, timeout=900)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+
+    from safetensors.torch import load_file
+
+    weights = [load_file(p / "models" / "policy" / "rl" / "model" / "model.safetensors") for p in (one, two)]
+    warm = load_file(one / "models" / "policy" / "sft" / "model" / "model.safetensors")
+    moved = max((weights[0][k] - warm[k]).abs().max().item() for k in warm)
+    assert moved > 1e-4  # it trained
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in warm) < 1e-3 * moved
+    logs = [(p / "metrics" / "synthetic_rl_iterations.csv").read_text().splitlines() for p in (one, two)]
+    assert len(logs[1]) == 2  # one iteration, logged once
+    rows = [dict(zip(log[0].split(","), log[1].split(","), strict=True)) for log in logs]
+    for key in ("reward_mean", "success_rate", "loss", "value_loss", "grad_norm"):
+        assert float(rows[0][key]) == pytest.approx(float(rows[1][key]), rel=1e-4, abs=1e-6), key
+    assert simulator.calls > 0
+    refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "evaluate_policies"], cwd=two,
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "evaluate_policies is not rank-aware" in refused.stderr
+
+
+class _ScriptedExperienceServer:
+    """An OpenAI-compatible endpoint standing in for the experience model (as tests/scripted_backend.py does in
+    process): a well-formed reply whose reward is 1, ending the episode, when the action's characters sum to an odd
+    number, else 0."""
+
+    def __init__(self) -> None:
+        import re
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from components.simulator.experience_model import format_target
+
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server interface
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                action = re.findall(r"^Action: (.*)$", body["messages"][-1]["content"], re.M)[-1]
+                won = sum(map(ord, action)) % 2 == 1
+                server.calls += 1
+                reply = format_target(f"after {action}", float(won), won, f"did {action}")
+                answer = json.dumps({"choices": [{"message": {"content": reply}, "finish_reason": "stop"}]})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(answer.encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.calls = 0
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.llm.backends import GenerationBackend
 from components.llm.sft import load_trained_model, lora_config
 from components.rl.curriculum import Curriculum
@@ -107,6 +108,10 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
 
     from components.llm.models import load_causal_lm
 
+    if distributed.world_size() > 1:
+        raise ValueError("GRPO does not run on several processes yet (TRL would hand each its share of an iteration's "
+                         "prompts, which our rollouts play as one group): run it as one process, or set "
+                         "synthetic_rl.algorithm: ppo to train data-parallel")
     if settings.episodes_per_iteration % settings.micro_batch_size:
         raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "
                          f"of micro_batch_size ({settings.micro_batch_size})")

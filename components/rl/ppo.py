@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from components import distributed
 from components.files import atomic_directory
 from components.llm.backends import GenerationBackend
 from components.rl.curriculum import Curriculum
@@ -215,19 +216,24 @@ def ppo_update(model: PreTrainedModel, reference: PreTrainedModel | None, value_
     temperature = settings.temperature if settings.temperature > 0 else 1.0
     batches = [make_micro_batch(episodes[i:i + settings.micro_batch_size], pad_id, device)
                for i in range(0, len(episodes), settings.micro_batch_size)]
+    # Under a launcher each process scores and trains every N-th micro-batch; advantages, the loss's normalisers and
+    # the summed gradients are those of all the episodes, so N processes take the step one would.
+    mine = range(distributed.rank(), len(batches), distributed.world_size())
     # Dropout stays off throughout (as in TRL's PPO): then the first epoch is exactly on-policy (ratio 1) and the
     # ratio measures the update, not dropout noise.
     model.eval()
 
     # Old log-probabilities recomputed here, not the sampling ones: generate's left-padded batch differs
     # numerically from this right-padded one, and the ratio must compare like with like.
-    values = []
+    values = {}
     with torch.no_grad():
-        for batch in batches:
+        for index in mine:
+            batch = batches[index]
             batch.old_logprobs, _, batch_values = sequence_logprobs_and_values(model, value_head, batch, temperature)
             batch.ref_logprobs = reference_logprobs(model, reference, batch, temperature)
-            values.append(batch_values)
-    values_per_turn = torch.cat(values).tolist()  # episode by episode, turn by turn
+            values[index] = batch_values.tolist()
+    values = {index: part for shares in distributed.all_gather(values) for index, part in shares.items()}
+    values_per_turn = [value for index in range(len(batches)) for value in values[index]]  # episode by episode
 
     advantages, returns, turn = [], [], 0
     for episode in episodes:
@@ -254,10 +260,11 @@ def ppo_update(model: PreTrainedModel, reference: PreTrainedModel | None, value_
     n_tokens = sum(batch.policy_mask.sum().item() for batch in batches)
     n_turns = len(advantages)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl", "entropy", "clip_ratio", "grad_norm"), 0.0)
+    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "kl", "entropy", "clip_ratio"), 0.0)
+    grad_norm = 0.0
     for _ in range(settings.ppo.epochs):
         optimizer.zero_grad(set_to_none=True)
-        for batch in batches:
+        for batch in (batches[index] for index in mine):
             logprobs, entropy, batch_values = sequence_logprobs_and_values(model, value_head, batch, temperature)
             policy = ppo_loss(logprobs, batch.old_logprobs, batch.ref_logprobs, batch.advantages[batch.token_turn],
                               batch.policy_mask, settings.clip_epsilon, settings.beta, n_tokens)
@@ -268,10 +275,12 @@ def ppo_update(model: PreTrainedModel, reference: PreTrainedModel | None, value_
                                 ("kl", policy.kl), ("clip_ratio", policy.clip_ratio),
                                 ("entropy", (entropy * batch.policy_mask).sum() / n_tokens)):
                 totals[key] += number.item()
-        totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(parameters, MAX_GRAD_NORM).item()
+        distributed.sum_gradients(parameters)
+        grad_norm += torch.nn.utils.clip_grad_norm_(parameters, MAX_GRAD_NORM).item()
         optimizer.step()
+    totals = {**distributed.sum_numbers(totals), "grad_norm": grad_norm}
     update: dict[str, float | None] = {key: total / settings.ppo.epochs for key, total in totals.items()}
-    if batches[0].ref_logprobs is None:
+    if reference is None and not hasattr(model, "disable_adapter"):
         update["kl"] = None  # no reference policy: nothing was measured
     return update
 
@@ -397,8 +406,10 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
     and plays the same tasks an uninterrupted run would have.
     """
     out_dir = Path(out_dir)
-    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
+    with distributed.main_process_first():  # the main process clears stale checkpoints; all resume from the same
+        checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
     earlier_seconds = logged_seconds(rows)  # iterations restored from the checkpoint
+    main = distributed.is_main_process()
 
     seed_everything(settings.seed)  # before the LoRA and value-head initialisations, so a fresh run repeats
     model, tokenizer, reference = load_policy(policy_model, settings, cache_dir, resume)
@@ -412,13 +423,18 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
     started = time.monotonic()
     for iteration in range(start, settings.iterations):
         iteration_started = time.monotonic()
-        episodes, stats, fields = play_iteration(model, tokenizer, make_batch, curriculum, generator, buffer, fmt,
-                                                 settings, iteration)
+        # Under a launcher the main process plays the iteration (the environments, the experience model, the
+        # buffer and the curriculum are its own) and every process trains on its episodes.
+        episodes, stats, fields = distributed.broadcast(
+            play_iteration(model, tokenizer, make_batch, curriculum, generator, buffer, fmt, settings, iteration)
+            if main else None)
 
         optimisation_started = time.monotonic()
         # an episode an environment failure ended is not the policy's outcome: it takes no part in the update
         update = ppo_update(model, reference, value_head, optimizer, trainable(episodes), settings,
                             tokenizer.pad_token_id)
+        if not main:
+            continue
         rows.append(iteration_record(iteration + 1, episodes, stats, buffer, **fields,
                                      optimisation_s=round(time.monotonic() - optimisation_started, 2), **update))
         keep_episodes(checkpoints, iteration + 1, episodes)
@@ -437,6 +453,7 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
             prune_checkpoints(checkpoints, settings.save_total_limit)
 
     trained = model.merge_and_unload() if settings.lora is not None else model
-    model_dir = save_trained_policy(trained, tokenizer, out_dir, rows)
+    model_dir = save_trained_policy(trained, tokenizer, out_dir, rows) if main else out_dir / "model"
+    distributed.wait_for_everyone()
     return RLResult(model_dir, settings.iterations, str(resume) if resume else None, rows,
                     earlier_seconds + time.monotonic() - started)
