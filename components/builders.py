@@ -222,10 +222,12 @@ def curriculum_settings(params: Params, enabled: bool | None = None):
     return CurriculumSettings(**settings if enabled is None else {**settings, "enabled": enabled})
 
 
-def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any) -> tuple[Any, Any]:
+def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any,
+                          with_writer: bool = True) -> tuple[Any, Any]:
     """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
-    (models.experience, the base model: the fine-tuned one only answers in the simulation format). PPO measures
-    reward variance over clusters of similar tasks, since its episodes are not grouped by task."""
+    (models.experience, the base model: the fine-tuned one only answers in the simulation format); no backend with
+    `with_writer` False (a process that does not play). PPO measures reward variance over clusters of similar tasks,
+    since its episodes are not grouped by task."""
     from components.rl.curriculum import INSTRUCTION_END, Curriculum, cluster_tasks
 
     settings = params.synthetic_rl.curriculum
@@ -233,7 +235,7 @@ def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any) 
     if params.synthetic_rl.algorithm == "ppo" and settings.enabled:
         clusters = cluster_tasks(tasks, buffer.encoder, settings.clusters, params.seed)
     curriculum = Curriculum(tasks, curriculum_settings(params), clusters=clusters)
-    if not settings.enabled or settings.top_tasks == 0:
+    if not settings.enabled or settings.top_tasks == 0 or not with_writer:
         return curriculum, None
     if params.experience_model.inference.backend == "openai":
         return curriculum, generation_backend(params, root, params.models.experience, stop=(INSTRUCTION_END,))

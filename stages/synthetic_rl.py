@@ -20,6 +20,7 @@ from components.config import Params
 from components.reports import line_plot, markdown_table, write_csv, write_stage_outputs
 from components.rl.loop import settings_fingerprint
 from components.rl.rollouts import SyntheticBatch
+from components.simulator.experience_model import PredictionStats
 from components.simulator.replay_buffer import run_collection_name
 from stages.common import StageError
 
@@ -37,7 +38,9 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         raise StageError(f"{len(tasks)} training tasks in {params.policy.environments} with seed episodes; "
                          f"synthetic_rl.tasks_per_iteration is {settings.tasks_per_iteration}")
     buffer = saved_buffer(params, root)  # embedded: a copy in memory; weaviate: the seed collection, copied below
-    curriculum, generator = curriculum_and_writer(params, root, tasks, buffer)
+    # Under a launcher the main process alone plays (components/rl/ppo.py): it alone loads the models that play.
+    main = distributed.is_main_process()
+    curriculum, generator = curriculum_and_writer(params, root, tasks, buffer, with_writer=main)
     if settings.algorithm == "grpo":
         from components.rl.grpo import train_grpo as train
     else:
@@ -56,7 +59,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         seed, buffer = buffer, buffer.copy(run_collection_name(buffer.collection_name,
                                                                f"{fingerprint}/{settings.out_dir}"))
         seed.close()
-    envs, stats = synthetic_environments(params, root, buffer, params.policy.environments)
+    envs, stats = synthetic_environments(params, root, buffer, params.policy.environments) if main else \
+        ([], PredictionStats())
     budget = fallback_budget(params)
 
     def next_batch() -> SyntheticBatch:
@@ -67,7 +71,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
                    rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
                    generator=generator, environment=simulator, curve=curve_probe(params))
-    if not distributed.is_main_process():  # the main process played every episode and writes the outputs
+    if not main:  # the main process played every episode and writes the outputs
         buffer.close()
         return {}
     budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
