@@ -86,15 +86,17 @@ def test_two_processes_train_the_experience_model_one_process_trains(project_tem
 
 
 @pytest.mark.slow  # four small trainings and a torchrun start: about two minutes
-def test_two_processes_take_the_ppo_step_one_process_takes(project_template, tmp_path, tiny_model_dir):
-    """`torchrun --nproc_per_node 2 dreamgym stage synthetic_rl` with PPO on the CPU: the main process plays the
-    iteration, each process scores and trains every other micro-batch, the gradients are summed, so the policy is the
-    one a single process trains; the outputs are written once."""
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_two_processes_take_the_rl_step_one_process_takes(project_template, tmp_path, tiny_model_dir, algorithm):
+    """`torchrun --nproc_per_node 2 dreamgym stage synthetic_rl` on the CPU: the main process plays the iteration,
+    each process trains on half of its micro-batches (PPO: every other one, gradients summed; GRPO: TRL's share of
+    the iteration, gradients averaged over token-normalised losses), so the policy is the one a single process
+    trains; the outputs are written once."""
     one = copy_project(project_template, tmp_path / "one")
     run("dreamgym", "data", "onboard", "examples/seed/demo-kitchen.jsonl", cwd=one)
     simulator = _ScriptedExperienceServer()  # rewards that vary with the action: without them PPO has no gradient
     set_params(one, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
-                     "policy.environments": ["demo-kitchen"], "synthetic_rl.algorithm": "ppo",
+                     "policy.environments": ["demo-kitchen"], "synthetic_rl.algorithm": algorithm,
                      "synthetic_rl.iterations": 1, "synthetic_rl.group_size": 4, "synthetic_rl.micro_batch_size": 1,
                      "synthetic_rl.learning_rate": 1e-3, "synthetic_rl.curriculum.enabled": False,
                      "experience_model.inference.backend": "openai",
@@ -115,12 +117,21 @@ def test_two_processes_take_the_ppo_step_one_process_takes(project_template, tmp
     warm = load_file(one / "models" / "policy" / "sft" / "model" / "model.safetensors")
     moved = max((weights[0][k] - warm[k]).abs().max().item() for k in warm)
     assert moved > 1e-4  # it trained
-    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in warm) < 1e-3 * moved
+    if algorithm == "ppo":  # the same micro-batches, the same shapes: the same gradients up to summation order
+        assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in warm) < 1e-3 * moved
+    else:  # TRL pads each process's half of the iteration to its own longest episode: the gradients agree to about
+        # 1e-4, and Adam's first step (about lr x sign of the gradient) turns that float noise into other signs where
+        # a gradient is near zero, so the updates agree in direction, not element by element
+        import torch
+
+        updates = [torch.cat([(w[k] - warm[k]).flatten() for k in warm]) for w in weights]
+        assert torch.nn.functional.cosine_similarity(*updates, dim=0) > 0.5
     logs = [(p / "metrics" / "synthetic_rl_iterations.csv").read_text().splitlines() for p in (one, two)]
     assert len(logs[1]) == 2  # one iteration, logged once
     rows = [dict(zip(log[0].split(","), log[1].split(","), strict=True)) for log in logs]
     for key in ("reward_mean", "success_rate", "loss", "value_loss", "grad_norm"):
-        assert float(rows[0][key]) == pytest.approx(float(rows[1][key]), rel=1e-4, abs=1e-6), key
+        if key in rows[0]:
+            assert float(rows[0][key]) == pytest.approx(float(rows[1][key]), rel=1e-3, abs=1e-6), key
     assert simulator.calls > 0
     refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "evaluate_policies"], cwd=two,
                              capture_output=True, text=True, timeout=600)

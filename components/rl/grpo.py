@@ -68,7 +68,9 @@ def grpo_config(settings: RLSettings, output_dir: str | Path, **overrides: Any) 
         "output_dir": str(output_dir),
         "max_steps": settings.iterations,
         "per_device_train_batch_size": settings.micro_batch_size,
-        "gradient_accumulation_steps": settings.episodes_per_iteration // settings.micro_batch_size,
+        # each of N processes trains 1/N of the iteration's micro-batches (TRL's generation batch spans them all)
+        "gradient_accumulation_steps": distributed.per_process_accumulation(
+            settings.episodes_per_iteration // settings.micro_batch_size),
         "num_generations": settings.group_size,
         "max_completion_length": settings.max_tokens,
         "temperature": settings.temperature,
@@ -108,24 +110,24 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
 
     from components.llm.models import load_causal_lm
 
-    if distributed.world_size() > 1:
-        raise ValueError("GRPO does not run on several processes yet (TRL would hand each its share of an iteration's "
-                         "prompts, which our rollouts play as one group): run it as one process, or set "
-                         "synthetic_rl.algorithm: ppo to train data-parallel")
     if settings.episodes_per_iteration % settings.micro_batch_size:
         raise ValueError(f"tasks_per_iteration x group_size ({settings.episodes_per_iteration}) must be a multiple "
                          f"of micro_batch_size ({settings.micro_batch_size})")
     out_dir = Path(out_dir)
-    checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
+    with distributed.main_process_first():  # the main process clears stale checkpoints; all resume from the same
+        checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
     earlier_seconds = logged_seconds(rows)  # iterations restored from the checkpoint
+    main = distributed.is_main_process()
     if resume is not None and len(rows) >= settings.iterations:
         # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
         # after one, and for sim-to-real that step spends real transitions beyond the budget.
-        trained, tokenizer = load_trained_model(resume)
-        if settings.lora is not None:
-            trained = trained.merge_and_unload()
-        return RLResult(save_trained_policy(trained, tokenizer, out_dir, rows), len(rows), str(resume), rows,
-                        earlier_seconds)
+        if main:
+            trained, tokenizer = load_trained_model(resume)
+            if settings.lora is not None:
+                trained = trained.merge_and_unload()
+            save_trained_policy(trained, tokenizer, out_dir, rows)
+        distributed.wait_for_everyone()
+        return RLResult(out_dir / "model", len(rows), str(resume), rows, earlier_seconds)
 
     model, tokenizer = load_causal_lm(policy_model, cache_dir=cache_dir, dtype="float32")
     # TRL needs a dataset to sample from; its rows only name base tasks, and rollout_func plays the curriculum's.
@@ -133,17 +135,23 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
     pending: dict[str, Any] = {}
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
-        episodes, stats, fields = play_iteration(trainer.model, tokenizer, make_batch, curriculum, generator,
-                                                 buffer, fmt, settings, trainer.state.global_step)
-        if len(episodes) != len(prompts):
-            raise RuntimeError(f"{len(episodes)} episodes for TRL's {len(prompts)} prompts: the generation batch "
-                               "must be one iteration (tasks_per_iteration x group_size)")
+        # Under a launcher TRL hands each process its share of the iteration's prompts: the main process plays the
+        # whole iteration (environments, experience model, buffer and curriculum are its own) and each process
+        # trains on its share of the episodes, in the order TRL gathers them back for the groups' advantages.
+        episodes, stats, fields = distributed.broadcast(
+            play_iteration(trainer.model, tokenizer, make_batch, curriculum, generator, buffer, fmt, settings,
+                           trainer.state.global_step) if main else None)
+        if len(episodes) != len(prompts) * distributed.world_size():
+            raise RuntimeError(f"{len(episodes)} episodes for TRL's {len(prompts)} prompts per process: the "
+                               "generation batch must be one iteration (tasks_per_iteration x group_size)")
         pending.update(episodes=episodes, stats=stats, fields=fields)
-        return {"prompt_ids": [e.prompt_ids for e in episodes],
-                "completion_ids": [e.completion_ids for e in episodes],
-                "logprobs": [e.logprobs for e in episodes],
-                "env_mask": [e.env_mask for e in episodes],
-                "episode_return": training_returns(episodes, settings.group_size)}  # env failures: no advantage
+        returns = training_returns(episodes, settings.group_size)  # env failures: no advantage
+        mine = slice(distributed.rank() * len(prompts), (distributed.rank() + 1) * len(prompts))
+        return {"prompt_ids": [e.prompt_ids for e in episodes[mine]],
+                "completion_ids": [e.completion_ids for e in episodes[mine]],
+                "logprobs": [e.logprobs for e in episodes[mine]],
+                "env_mask": [e.env_mask for e in episodes[mine]],
+                "episode_return": returns[mine]}
 
     class IterationLog(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -154,7 +162,7 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
-            if not logs or "loss" not in logs or "episodes" not in pending:
+            if not main or not logs or "loss" not in logs or "episodes" not in pending:
                 return
             stats: RolloutStats = pending["stats"]
             step_seconds = time.monotonic() - self.step_start
@@ -175,6 +183,8 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
                      row.get("kl", "n/a"), row.get("heldout_success", "-"), step_seconds, eta)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not main:  # Trainer saved the checkpoint in the main process
+                return
             save_sidecars(checkpoints / f"checkpoint-{state.global_step}", buffer, rows, curriculum)
             prune_checkpoints(checkpoints, settings.save_total_limit)
 
@@ -189,6 +199,7 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
 
     trained = trainer.model.merge_and_unload() if peft_config is not None else trainer.model
-    model_dir = save_trained_policy(trained, tokenizer, out_dir, rows)
+    model_dir = save_trained_policy(trained, tokenizer, out_dir, rows) if main else out_dir / "model"
+    distributed.wait_for_everyone()
     return RLResult(model_dir, trainer.state.global_step, str(resume) if resume else None, rows,
                     earlier_seconds + time.monotonic() - started)
