@@ -165,7 +165,7 @@ def main() -> None:
         row = measured[path]
         decode = row["generation"] - row["prefill"]
         rest = row["seconds"] - row["retrieval"] - row["generation"]
-        generations = row["stats"].generations or 1
+        generations = max(len(backends[path].prompts), 1)  # the last round's, whose prompts and replies are counted
         rows.append([path, f"{n / row['seconds']:.3f}", f"{row['seconds'] / n:.2f}",
                      f"{baseline / row['seconds']:.2f}x", f"{row['prompt_tokens'] / generations:.0f}",
                      f"{row['reply_tokens'] / generations:.0f}", f"{row['retrieval'] / n * 1e3:.0f}",
