@@ -62,15 +62,8 @@ def test_two_processes_train_the_experience_model_one_process_trains(project_tem
                      # LoRA dropout draws other masks in other processes: without it the runs must agree exactly
                      "experience_model.training.lora": {"r": 8, "alpha": 16, "dropout": 0.0,
                                                         "target_modules": "all-linear", "top_layers": None}})
-    for stage in ("annotate", "index_buffer"):
-        run("dreamgym", "stage", stage, cwd=one)
-    two = tmp_path / "two"
-    shutil.copytree(one, two, symlinks=True)
-
-    run("dreamgym", "stage", "train_experience_model", cwd=one)
-    launched = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "train_experience_model"], cwd=two,
-                              capture_output=True, text=True, timeout=900)
-    assert launched.returncode == 0, launched.stderr[-4000:]
+    two, launched = _run_once_and_launched(one, tmp_path / "two", ("annotate", "index_buffer"),
+                                           "train_experience_model")
 
     from safetensors.torch import load_file
 
@@ -101,15 +94,9 @@ def test_two_processes_take_the_rl_step_one_process_takes(project_template, tmp_
                      "synthetic_rl.learning_rate": 1e-3, "synthetic_rl.curriculum.enabled": False,
                      "experience_model.inference.backend": "openai",
                      "experience_model.inference.base_url": simulator.url})
-    for stage in ("annotate", "index_buffer", "train_experience_model", "train_policy_sft"):
-        run("dreamgym", "stage", stage, cwd=one)
-    two = tmp_path / "two"
-    shutil.copytree(one, two, symlinks=True)
-
-    run("dreamgym", "stage", "synthetic_rl", cwd=one)
-    launched = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "synthetic_rl"], cwd=two,
-                              capture_output=True, text=True, timeout=900)
-    assert launched.returncode == 0, launched.stderr[-4000:]
+    two, _ = _run_once_and_launched(one, tmp_path / "two",
+                                    ("annotate", "index_buffer", "train_experience_model", "train_policy_sft"),
+                                    "synthetic_rl")
 
     from safetensors.torch import load_file
 
@@ -136,6 +123,19 @@ def test_two_processes_take_the_rl_step_one_process_takes(project_template, tmp_
     refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "evaluate_policies"], cwd=two,
                              capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "evaluate_policies is not rank-aware" in refused.stderr
+
+
+def _run_once_and_launched(one, two, inputs: tuple[str, ...], stage: str) -> tuple:
+    """Run the `inputs` stages in the project `one`, copy it to `two`, then `stage` as one process in `one` and as two
+    (torchrun) in `two`; the copy and the launch's completed process."""
+    for name in inputs:
+        run("dreamgym", "stage", name, cwd=one)
+    shutil.copytree(one, two, symlinks=True)
+    run("dreamgym", "stage", stage, cwd=one)
+    launched = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", stage], cwd=two, capture_output=True,
+                              text=True, timeout=900)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    return two, launched
 
 
 class _ScriptedExperienceServer:
