@@ -54,9 +54,12 @@ def run_command(overrides: dict, target: str) -> list[str]:
             target]
 
 
+def head_commit(cwd: str | Path = ".") -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd).stdout.strip()
+
+
 def run_record(name: str, overrides: dict, profile: str, started: float, cwd: str | Path = ".") -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd).stdout.strip()
-    return {"run": name, "params_set": overrides, "profile": profile, "commit": commit,
+    return {"run": name, "params_set": overrides, "profile": profile, "commit": head_commit(cwd),
             "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -153,7 +156,7 @@ def results_study_flow() -> dict:
             get_run_logger().warning("no worker of the work pool %r is online: the study's runs wait for one "
                                      "(`prefect worker start --pool %s --type process --limit 1` in this checkout)",
                                      params.prefect.work_pool, params.prefect.work_pool)
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = head_commit()
         state = working_state(".")
     # one experience model and one policy per environment: each run trains on one, its folder under the environment's
     runs = [(environment, seed, variant) for environment in settings.environments for seed in settings.seeds

@@ -301,6 +301,26 @@ def test_synthetic_rl_stops_before_paying_for_an_iteration_on_a_simulator_that_n
     assert not (onboarded / "metrics" / "synthetic_rl.json").exists()
 
 
+def demo_kitchen_study(tiny_model_dir) -> dict:
+    """Params of a results study of two GRPO variants on the demo seed, with tiny models."""
+    return {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
+            "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
+            "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
+            "study.environments": ["demo-kitchen"], "study.algorithms": ["grpo"],
+            "study.variants": ["dreamgym-grpo", "no-curriculum"]}
+
+
+def commit_project(project, monkeypatch) -> str:
+    """Commit everything in `project` as a user would (the study runs a commit); the commit."""
+    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+        monkeypatch.setenv(variable, "study test")
+    for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "study@example.invalid")
+    run("git", "add", "-A", cwd=project)
+    run("git", "commit", "-q", "-m", "the user's project", cwd=project)
+    return run("git", "rev-parse", "HEAD", cwd=project).stdout.strip()
+
+
 def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefect_server, tiny_model_dir):
     """`dreamgym flow results_study` on a real Prefect server: each variant is a `dvc exp run` whose metrics are
     kept with a record; the report pools them; a second call runs nothing; params.yaml is left as the user wrote it."""
@@ -308,17 +328,8 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
 
     from flows.study import results_study_flow
 
-    set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
-                           "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
-                           "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
-                           "study.environments": ["demo-kitchen"], "study.algorithms": ["grpo"],
-                           "study.variants": ["dreamgym-grpo", "no-curriculum"]})
-    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
-        monkeypatch.setenv(variable, "study test")
-    for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-        monkeypatch.setenv(variable, "study@example.invalid")
-    run("git", "add", "-A", cwd=onboarded)
-    run("git", "commit", "-q", "-m", "the user's project", cwd=onboarded)  # `dvc exp run` needs a commit
+    set_params(onboarded, demo_kitchen_study(tiny_model_dir))
+    commit_project(onboarded, monkeypatch)  # `dvc exp run` needs a commit
     params_before = (onboarded / "params.yaml").read_text()
     monkeypatch.chdir(onboarded)
 
@@ -359,11 +370,7 @@ def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_t
                                                                                                    monkeypatch):
     from components.results.workspace import make_workspace, project_cache_dir, working_state
 
-    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-        monkeypatch.setenv(variable, "study@example.invalid")
-    run("git", "add", "-A", cwd=onboarded)
-    run("git", "commit", "-q", "-m", "the user's project", cwd=onboarded)
-    commit = run("git", "rev-parse", "HEAD", cwd=onboarded).stdout.strip()
+    commit = commit_project(onboarded, monkeypatch)
     set_params(onboarded, {"study.seeds": [4]})  # not committed: the study runs what params.yaml says now
     (onboarded / "flows" / "pipeline.py").write_text("uncommitted code is not the study's\n")
     state = working_state(onboarded)
@@ -391,18 +398,8 @@ def test_the_work_pools_workers_run_study_rows_at_once(onboarded, monkeypatch, p
     from flows.study import results_study_flow
 
     pool = f"study-rows-test-{workers}"
-    set_params(onboarded, {**tiny_experience_model(tiny_model_dir, "demo-kitchen"), **tiny_policy(tiny_model_dir),
-                           "collect_seed.environments": ["demo-kitchen"], "evaluate.environments": ["demo-kitchen"],
-                           "policy.environments": ["demo-kitchen"], "data.heldout_task_fraction": 0.3,
-                           "study.environments": ["demo-kitchen"], "study.algorithms": ["grpo"],
-                           "study.variants": ["dreamgym-grpo", "no-curriculum"], "study.on_work_pool": True,
-                           "prefect.work_pool": pool})
-    for variable in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
-        monkeypatch.setenv(variable, "study test")
-    for variable in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-        monkeypatch.setenv(variable, "study@example.invalid")
-    run("git", "add", "-A", cwd=onboarded)
-    run("git", "commit", "-q", "-m", "the user's project", cwd=onboarded)
+    set_params(onboarded, {**demo_kitchen_study(tiny_model_dir), "study.on_work_pool": True, "prefect.work_pool": pool})
+    head = commit_project(onboarded, monkeypatch)
     params_before = (onboarded / "params.yaml").read_text()
     monkeypatch.chdir(onboarded)
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
@@ -418,7 +415,6 @@ def test_the_work_pools_workers_run_study_rows_at_once(onboarded, monkeypatch, p
 
     results = onboarded / "reports" / "results_study" / "demo-kitchen"
     assert sorted(p.name for p in results.iterdir()) == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
-    head = run("git", "rev-parse", "HEAD", cwd=onboarded).stdout.strip()
     for name in ("dreamgym-grpo-seed0", "no-curriculum-seed0"):
         record = json.loads((results / name / "run.json").read_text())
         assert record["commit"] == head and record["seconds"] > 0
@@ -554,12 +550,7 @@ def test_results_study_runs_the_correction_row_at_dreamgym_s2rs_budget(project, 
                          "study.variants": ["dreamgym-grpo", "s2r-correction"], "study.real_budget": 200})
     run("dreamgym", "stage", "collect_seed", cwd=project)  # the user's seed, onboarded: what the runs train on
     run("dreamgym", "data", "onboard", *sorted(str(p) for p in (project / "seed").glob("*.jsonl")), cwd=project)
-    for variable, value in (("GIT_AUTHOR_NAME", "study test"), ("GIT_COMMITTER_NAME", "study test"),
-                            ("GIT_AUTHOR_EMAIL", "study@example.invalid"),
-                            ("GIT_COMMITTER_EMAIL", "study@example.invalid")):
-        monkeypatch.setenv(variable, value)
-    run("git", "add", "-A", cwd=project)
-    run("git", "commit", "-q", "-m", "the user's project", cwd=project)
+    commit_project(project, monkeypatch)
     monkeypatch.chdir(project)
 
     metrics = results_study_flow()
