@@ -60,6 +60,19 @@ def main_process_first() -> Iterator[None]:
         yield
 
 
+def share(items: int) -> range:
+    """This process's contiguous share of `items` things done once each (the first processes take one more)."""
+    processes, me = world_size(), rank()
+    size, extra = divmod(items, processes)
+    start = me * size + min(me, extra)
+    return range(start, start + size + (me < extra))
+
+
+def on_one_machine() -> bool:
+    """Whether every process runs on this machine (LOCAL_WORLD_SIZE, set by torchrun and accelerate, is the world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) == world_size()
+
+
 def per_process_accumulation(gradient_accumulation_steps: int) -> int:
     """The gradient accumulation steps of one process that keep the effective batch of the params."""
     processes = world_size()

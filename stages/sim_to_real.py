@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.builders import (
     curriculum_settings,
     curve_probe,
@@ -59,8 +60,11 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                f"a budget of {settings.real_transitions} real transitions pays for no iteration (one costs up to "
                f"{rl.transitions_per_iteration}: tasks_per_iteration x group_size x policy.max_turns)"
                if iterations == 0 else None)
+    main = distributed.is_main_process()
     if why_not is not None:
         log.warning("sim_to_real skipped: %s", why_not)
+        if not main:
+            return {}
         shutil.rmtree(model_dir, ignore_errors=True)
         model_dir.mkdir(parents=True)
         (model_dir / "SKIPPED.md").write_text(f"Sim-to-real was skipped: {why_not}.\n", encoding="utf-8")
@@ -78,11 +82,14 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     else:
         from components.rl.ppo import train_ppo as train
     rl = dataclasses.replace(rl, iterations=iterations)
-    # Real tasks cannot be invented: the curriculum is off here, the tasks are the training tasks' real games.
+    # Real tasks cannot be invented: the curriculum is off here, the tasks are the training tasks' real games. Under a
+    # launcher each process plays its share of each iteration in real environments of its own.
     result = train(str(root / start / "model"), Curriculum(tasks, curriculum_settings(params, enabled=False)),
                    lambda: RealBatch(lambda task: real_environment(task.environment).open(params.environments)),
                    None, policy_format(params), rl, root / settings.out_dir, cache_dir=root / params.models.cache_dir,
                    environment=run_identity(params.environments), curve=curve_probe(params))
+    if not main:  # the main process writes the outputs
+        return {}
     rows = result.log
     used = sum(row["env_transitions"] for row in rows)
     if used > settings.real_transitions:  # cannot happen: iterations_within_budget charges every worst case

@@ -19,9 +19,10 @@ from components.builders import (
 from components.config import Params
 from components.reports import line_plot, markdown_table, write_csv, write_stage_outputs
 from components.rl.loop import settings_fingerprint
-from components.rl.rollouts import SyntheticBatch
+from components.rl.rollouts import RemoteSyntheticBatch, SyntheticBatch
 from components.simulator.experience_model import PredictionStats
 from components.simulator.replay_buffer import run_collection_name
+from components.simulator.server import shared_simulators
 from stages.common import StageError
 
 # the iteration log's columns in the report's table
@@ -38,7 +39,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         raise StageError(f"{len(tasks)} training tasks in {params.policy.environments} with seed episodes; "
                          f"synthetic_rl.tasks_per_iteration is {settings.tasks_per_iteration}")
     buffer = saved_buffer(params, root)  # embedded: a copy in memory; weaviate: the seed collection, copied below
-    # Under a launcher the main process alone plays (components/rl/ppo.py): it alone loads the models that play.
+    # Under a launcher the main process alone loads the experience model and the task writer.
     main = distributed.is_main_process()
     curriculum, generator = curriculum_and_writer(params, root, tasks, buffer, with_writer=main)
     if settings.algorithm == "grpo":
@@ -52,6 +53,9 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     if buffer.backend == "weaviate" and distributed.world_size() > 1:
         raise StageError("synthetic_rl on several processes needs the embedded buffer (buffer.backend: embedded): "
                          "each process would copy the Weaviate collection")
+    if not distributed.on_one_machine():
+        raise StageError("synthetic_rl on several machines: the processes play in one simulator server, which the "
+                         "main process serves on 127.0.0.1; launch the processes on one machine")
     if buffer.backend == "weaviate":
         # Synthetic experience never alters index_buffer's collection: the run adds to its own copy, named by what
         # resumes its checkpoints (and its out_dir), so a resumed run finds it again and no other run shares it.
@@ -62,16 +66,17 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     envs, stats = synthetic_environments(params, root, buffer, params.policy.environments) if main else \
         ([], PredictionStats())
     budget = fallback_budget(params)
+    # Under a launcher the main process serves its synthetic environments and every process plays its share there.
+    with shared_simulators(envs, settings.tasks_per_iteration * settings.group_size) as urls:
+        def next_batch() -> SyntheticBatch | RemoteSyntheticBatch:
+            # the iterations so far: stop before paying for another on a simulator that does not answer
+            budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
+            return SyntheticBatch(*envs) if urls is None else RemoteSyntheticBatch(urls)
 
-    def next_batch() -> SyntheticBatch:
-        # the iterations so far: stop before paying for another on a simulator that does not answer
-        budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
-        return SyntheticBatch(*envs)
-
-    result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
-                   rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
-                   generator=generator, environment=simulator, curve=curve_probe(params))
-    if not main:  # the main process played every episode and writes the outputs
+        result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
+                       rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
+                       generator=generator, environment=simulator, curve=curve_probe(params))
+    if not main:  # the main process writes the outputs
         buffer.close()
         return {}
     budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)

@@ -25,9 +25,10 @@ def _module_file(module: str) -> str | None:
     return path.as_posix() if (REPO / path).is_file() else None
 
 
-# A toolbox module (the params-to-objects builders) is followed function by function: a stage depends on the
-# builders it calls (and theirs), not on every module some other builder imports.
-TOOLBOXES = ("components/builders.py",)
+# A toolbox module (the params-to-objects builders; the simulator server, whose bundle serving the RL stages do not
+# run) is followed function by function: a stage depends on the functions it calls (and theirs), not on every module
+# some other function imports.
+TOOLBOXES = ("components/builders.py", "components/simulator/server.py")
 
 
 def _runtime_imports(node: ast.AST) -> list[ast.ImportFrom]:

@@ -153,6 +153,39 @@ def test_greedy_rollouts_are_the_same_batched_or_one_episode_at_a_time_with_its_
         assert cached.logprobs == pytest.approx(batched.logprobs, abs=1e-4)
 
 
+def test_seeded_episodes_are_the_same_in_process_or_split_over_a_simulator_server(tiny):
+    """What lets every process of a launch play its share of an RL iteration: an episode sampled from its own seed
+    comes out the same whether it is played with the others in process or, split in two, through the simulator
+    server (components/simulator/server.py) that the main process serves; the server keeps the whole trajectory."""
+    from components.rl.rollouts import RemoteSyntheticBatch
+    from components.simulator.server import serving, simulator_app
+
+    model, tokenizer = tiny
+    tasks = [TASK, Task("tw-2", ENV, "Slice a potato.", {"initial_state": "A potato lies here."})] * 2
+    seeds, settings = [11, 12, 13, 14], dict(max_turns=3, batched=False, max_action_tokens=5, temperature=1.0)
+    together = rollout(model, tokenizer, SyntheticBatch(_synthetic(ScriptedBackend())), tasks, POLICY_FORMAT,
+                       seeds=seeds, **settings)
+    served = _synthetic(ScriptedBackend())
+    with serving(simulator_app(served, lambda rng, task_id: TASK)) as url:
+        apart = [episode for share in (slice(0, 1), slice(1, 4)) for episode in rollout(
+            model, tokenizer, RemoteSyntheticBatch({ENV: url}), tasks[share], POLICY_FORMAT, seeds=seeds[share],
+            **settings)]
+        elsewhere = Task("a-1", "alfworld", "x", {"initial_state": "a room"})
+        with pytest.raises(ValueError, match="no simulator server for .'alfworld'"):
+            RemoteSyntheticBatch({ENV: url}).start([elsewhere])
+        with pytest.raises(RuntimeError, match="this environment imitates 'textworld-cooking'"):
+            RemoteSyntheticBatch({"alfworld": url}).start([elsewhere])  # the server says what it simulates
+
+    assert len({tuple(e.actions) for e in together}) > 1  # the seeds differ, and so do the episodes
+    for one, other in zip(together, apart, strict=True):
+        assert (one.actions, one.completion_ids, one.env_mask) == (other.actions, other.completion_ids, other.env_mask)
+        assert one.logprobs == pytest.approx(other.logprobs, abs=1e-5)
+        assert (one.rewards, one.done, one.success) == (other.rewards, other.done, other.success)
+        assert one.trajectory.steps == other.trajectory.steps and other.trajectory.source == "synthetic"
+        assert other.trajectory.trajectory_id.startswith("synthetic-")
+    assert served.stats.requests == sum(len(e.actions) for e in apart)  # the server's environment stepped them all
+
+
 def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny):
     model, tokenizer = tiny
 

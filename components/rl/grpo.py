@@ -135,12 +135,11 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
     pending: dict[str, Any] = {}
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
-        # Under a launcher TRL hands each process its share of the iteration's prompts: the main process plays the
-        # whole iteration (environments, experience model, buffer and curriculum are its own) and each process
-        # trains on its share of the episodes, in the order TRL gathers them back for the groups' advantages.
-        episodes, stats, fields = distributed.broadcast(
-            play_iteration(trainer.model, tokenizer, make_batch, curriculum, generator, buffer, fmt, settings,
-                           trainer.state.global_step) if main else None)
+        # Under a launcher TRL hands each process its share of the iteration's prompts: each process plays its
+        # share of the iteration (play_iteration), gets all of it back, and trains on TRL's share of the episodes,
+        # in the order TRL gathers them back for the groups' advantages.
+        episodes, stats, fields = play_iteration(trainer.model, tokenizer, make_batch, curriculum, generator, buffer,
+                                                 fmt, settings, trainer.state.global_step)
         if len(episodes) != len(prompts) * distributed.world_size():
             raise RuntimeError(f"{len(episodes)} episodes for TRL's {len(prompts)} prompts per process: the "
                                "generation batch must be one iteration (tasks_per_iteration x group_size)")

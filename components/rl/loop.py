@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from components import distributed
 from components.data.contract import Trajectory, read_records, write_records
 from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
@@ -186,33 +187,52 @@ def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
     return min(settings.iterations, env_transitions // worst_case)
 
 
+def episode_seed(seed: int, iteration: int, index: int) -> int:
+    """The policy's sampling seed for episode `index` of `iteration`: the same whichever process plays it."""
+    return hash((seed, iteration, index)) & 0xFFFF_FFFF_FFFF
+
+
 def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeBatch], curriculum: Curriculum,
                    generator: GenerationBackend | None, buffer: ReplayBuffer | None, fmt: PolicyFormat,
                    settings: RLSettings, iteration: int) -> tuple[list[Episode], RolloutStats, dict[str, Any]]:
     """One iteration's experience (0-based `iteration`): the curriculum's tasks, `group_size` episodes each, played
     in the synthetic environment and appended to the replay buffer; then the curriculum records each group's reward
     variance and asks `generator` (the experience model's backbone) for variations of the most uncertain tasks,
-    which later iterations may play. Returns the episodes, the rollout's time split and the log fields."""
-    tasks = curriculum.tasks_for_iteration(iteration, settings.tasks_per_iteration, settings.group_size,
-                                           settings.seed)
+    which later iterations may play. Returns the episodes, the rollout's time split and the log fields.
+
+    Under a launcher every process calls it: the main process picks the tasks, each process plays its share of the
+    episodes (`make_batch()` of every process reaching the same environments: one shared simulator server, or real
+    environments of its own), each episode from its own sampling seed, so the iteration is the one a single process
+    plays; every process gets all the episodes back, and the main process alone feeds the buffer and the curriculum.
+    """
+    main = distributed.is_main_process()
+    tasks = distributed.broadcast(curriculum.tasks_for_iteration(iteration, settings.tasks_per_iteration,
+                                                                 settings.group_size, settings.seed)
+                                  if main else None)
+    share = distributed.share(len(tasks))
     stats = RolloutStats()
-    episodes = rollout(model, tokenizer, make_batch(), tasks, fmt, max_turns=settings.max_turns,
-                       batched=settings.batched_rollouts, max_action_tokens=settings.max_action_tokens,
-                       max_tokens=settings.max_tokens, temperature=settings.temperature, stats=stats)
+    played = rollout(model, tokenizer, make_batch(), [tasks[i] for i in share], fmt, max_turns=settings.max_turns,
+                     batched=settings.batched_rollouts, max_action_tokens=settings.max_action_tokens,
+                     max_tokens=settings.max_tokens, temperature=settings.temperature, stats=stats,
+                     seeds=[episode_seed(settings.seed, iteration, i) for i in share])
+    parts = distributed.all_gather((played, stats))
+    episodes, stats = [e for part, _ in parts for e in part], RolloutStats.of_processes([s for _, s in parts])
     check_not_all_failed([e.trajectory for e in episodes], f"RL iteration {iteration + 1}")
-    started = time.monotonic()
-    added = add_to_buffer(buffer, [e.trajectory for e in trainable(episodes)]) if buffer is not None else 0
-    buffer_seconds, started = time.monotonic() - started, time.monotonic()
-    curriculum.observe([e.task for e in trainable(episodes)], [e.return_ for e in trainable(episodes)])
-    if generator is not None:
-        curriculum.propose(generator, iteration + 1)
-    fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,
-              "buffer_s": round(buffer_seconds, 2),  # embedding the new transitions into the replay buffer
-              "curriculum_s": round(time.monotonic() - started, 2),
-              "tasks": " ".join(t.task_id for t in tasks[::settings.group_size]),
-              "generated_tasks_played": sum("parent_task_id" in t.parameters for t in tasks[::settings.group_size]),
-              **curriculum.summary()}
-    return episodes, stats, fields
+    fields = None
+    if main:
+        started = time.monotonic()
+        added = add_to_buffer(buffer, [e.trajectory for e in trainable(episodes)]) if buffer is not None else 0
+        buffer_seconds, started = time.monotonic() - started, time.monotonic()
+        curriculum.observe([e.task for e in trainable(episodes)], [e.return_ for e in trainable(episodes)])
+        if generator is not None:
+            curriculum.propose(generator, iteration + 1)
+        fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,
+                  "buffer_s": round(buffer_seconds, 2),  # embedding the new transitions into the replay buffer
+                  "curriculum_s": round(time.monotonic() - started, 2),
+                  "tasks": " ".join(t.task_id for t in tasks[::settings.group_size]),
+                  "generated_tasks_played": sum("parent_task_id" in t.parameters for t in tasks[::settings.group_size]),
+                  **curriculum.summary()}
+    return episodes, stats, distributed.broadcast(fields)
 
 
 def keep_episodes(checkpoints: Path, iteration: int, episodes: list[Episode]) -> None:

@@ -423,11 +423,9 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
     started = time.monotonic()
     for iteration in range(start, settings.iterations):
         iteration_started = time.monotonic()
-        # Under a launcher the main process plays the iteration (the environments, the experience model, the
-        # buffer and the curriculum are its own) and every process trains on its episodes.
-        episodes, stats, fields = distributed.broadcast(
-            play_iteration(model, tokenizer, make_batch, curriculum, generator, buffer, fmt, settings, iteration)
-            if main else None)
+        # Under a launcher each process plays its share of the iteration and trains on its share of all of it.
+        episodes, stats, fields = play_iteration(model, tokenizer, make_batch, curriculum, generator, buffer, fmt,
+                                                 settings, iteration)
 
         optimisation_started = time.monotonic()
         # an episode an environment failure ended is not the policy's outcome: it takes no part in the update

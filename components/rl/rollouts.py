@@ -14,12 +14,14 @@ asks the experience model once per turn for the whole batch). An episode ends wh
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from components.data.contract import Step, Task, Trajectory
 from components.envs.base import (
@@ -74,6 +76,8 @@ class EpisodeBatch(Protocol):
 
     def trajectory(self, index: int) -> Trajectory: ...
 
+    def close(self) -> None: ...
+
 
 class SyntheticBatch:
     """Episodes in synthetic environments (one per imitated environment name): one `step_batch`, i.e. one
@@ -101,6 +105,62 @@ class SyntheticBatch:
 
     def trajectory(self, index: int) -> Trajectory:
         return record_trajectory(self.episodes[index])
+
+    def close(self) -> None:
+        self.episodes = []
+
+
+class RemoteSyntheticBatch:
+    """Episodes in synthetic environments served by simulator servers (components/simulator/server.py's protocol,
+    {environment name: base URL}), one WebSocket session per episode. A turn sends every episode's step before it
+    reads any reply, so the server steps them together, with other clients' steps (one experience-model call)."""
+
+    def __init__(self, urls: dict[str, str], timeout_s: float = 3600.0) -> None:
+        self.urls, self.timeout_s = urls, timeout_s
+        self.connections: list = []
+
+    def start(self, tasks: Sequence[Task]) -> list[Observation]:
+        from websockets.sync.client import connect
+
+        unknown = sorted({t.environment for t in tasks} - set(self.urls))
+        if unknown:
+            raise ValueError(f"no simulator server for {unknown} (have {sorted(self.urls)})")
+        self.close()
+        for task in tasks:  # one by one: close() then closes every one opened before a failure
+            self.connections.append(connect(self.urls[task.environment].replace("http", "ws", 1) + "/ws",
+                                            max_size=2 ** 26, open_timeout=60))
+        for connection, task in zip(self.connections, tasks, strict=True):
+            connection.send(json.dumps({"type": "reset", "data": {"task": task.to_dict()}}))
+        return [Observation(self._receive(c, "observation")["observation"]["text"]) for c in self.connections]
+
+    def step(self, indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
+        for i, action in zip(indices, actions, strict=True):
+            self.connections[i].send(json.dumps({"type": "step", "data": {"message": action}}))
+        results = []
+        for i in indices:
+            reply = self._receive(self.connections[i], "observation")
+            observation = reply["observation"]
+            info = {key: observation[key] for key in ("fallback", "reasoning", "truncated", "retrieved")}
+            if observation.get("success") is not None:
+                info["success"] = observation["success"]
+            results.append(StepResult(Observation(observation["text"]), reply["reward"], reply["done"],
+                                      {"synthetic": True, **info}))
+        return results
+
+    def trajectory(self, index: int) -> Trajectory:
+        self.connections[index].send(json.dumps({"type": "state"}))
+        return Trajectory.from_dict(self._receive(self.connections[index], "state")["trajectory"])
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        self.connections = []
+
+    def _receive(self, connection, kind: str) -> dict:
+        message = json.loads(connection.recv(timeout=self.timeout_s))
+        if message.get("type") != kind:
+            raise RuntimeError(f"simulator server {connection.remote_address}: {message.get('data')}")
+        return message["data"]
 
 
 class RealBatch:
@@ -167,6 +227,12 @@ class RolloutStats:
     turns: int = 0
     policy_tokens: int = 0
 
+    @classmethod
+    def of_processes(cls, parts: Sequence[RolloutStats]) -> RolloutStats:
+        """Several processes' stats of one rollout played side by side: the slowest one's time, every one's counts."""
+        return cls(max(p.policy_seconds for p in parts), max(p.env_seconds for p in parts),
+                   sum(p.turns for p in parts), sum(p.policy_tokens for p in parts))
+
 
 class ChatSegments:
     """Token pieces of the chat template, so a conversation can grow turn by turn without re-rendering it."""
@@ -204,21 +270,27 @@ class ChatSegments:
 
 def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, contexts: Sequence[list[int]],
                      max_new_tokens: int, temperature: float,
-                     conversations: Sequence[ConversationBackend] | None = None) -> tuple[list[list[int]],
-                                                                                      list[list[float]]]:
+                     conversations: Sequence[ConversationBackend] | None = None,
+                     seeds: Sequence[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one reply per context; return its tokens up to and with the first end-of-turn, and their
     log-probabilities under the sampling distribution (temperature applied, as the trainers score them).
 
     Without `conversations`: one left-padded batch, every context encoded whole. With one `ConversationBackend` per
-    context: one context at a time, each encoding only what its cache has not seen (the same tokens reach the model)."""
+    context: one context at a time, each encoding only what its cache has not seen (the same tokens reach the model),
+    and, with `seeds`, each sampled from its own seed: a reply then depends on its context and seed alone, not on
+    which other contexts (or process) shared the call."""
     import torch
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     keywords = dict(pad_token_id=pad, eos_token_id=eos, output_scores=True, return_dict_in_generate=True)
     if conversations is not None:
-        replies = [_reply(conversation.extend(context, max_new_tokens, temperature, **keywords), len(context), 0, eos)
-                   for conversation, context in zip(conversations, contexts, strict=True)]
+        seeds = seeds if seeds is not None else [None] * len(contexts)
+        replies = []
+        for conversation, context, seed in zip(conversations, contexts, seeds, strict=True):
+            with _seeded(seed, model.device):
+                output = conversation.extend(context, max_new_tokens, temperature, **keywords)
+            replies.append(_reply(output, len(context), 0, eos))
         return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
     width = max(len(c) for c in contexts)
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
@@ -228,6 +300,19 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                                 max_new_tokens=max_new_tokens, **keywords, **sampling_settings(temperature))
     replies = [_reply(output, width, row, eos) for row in range(len(contexts))]
     return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
+
+
+@contextmanager
+def _seeded(seed: int | None, device: Any) -> Iterator[None]:
+    """Sampling inside the block draws from `seed` (None: the global stream); the global stream is left as it was."""
+    if seed is None:
+        yield
+        return
+    import torch
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(seed)
+        yield
 
 
 def _reply(output, width: int, row: int, eos: int) -> tuple[list[int], list[float]]:
@@ -243,20 +328,24 @@ def _reply(output, width: int, row: int, eos: int) -> tuple[list[int], list[floa
 
 def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: EpisodeBatch, tasks: Sequence[Task],
             fmt: PolicyFormat, *, max_turns: int, batched: bool, max_action_tokens: int = 24, max_tokens: int = 4096,
-            temperature: float = 1.0, stats: RolloutStats | None = None) -> list[Episode]:
-    """Play one episode per task (repeat a task G times for a group); returns them in order. `batched`: every
-    episode's turn in one `generate` over its whole context (pays on a GPU); else one episode at a time, each
-    carrying its key/value cache across turns (pays on a CPU: benchmarks/evaluation_speed.py)."""
+            temperature: float = 1.0, stats: RolloutStats | None = None,
+            seeds: Sequence[int] | None = None) -> list[Episode]:
+    """Play one episode per task (repeat a task G times for a group); returns them in order and closes `batch`.
+    `batched`: every episode's turn in one `generate` over its whole context (pays on a GPU); else one episode at a
+    time, each carrying its key/value cache across turns (pays on a CPU: benchmarks/evaluation_speed.py), and with
+    `seeds` (one per episode) each episode samples from its own: the same episode whichever batch or process plays
+    it."""
     stats = stats if stats is not None else RolloutStats()
     segments = ChatSegments(tokenizer)
-    started = time.monotonic()
-    observations = batch.start(tasks)
-    stats.env_seconds += time.monotonic() - started
-    episodes = [Episode(task, segments.prompt(task, obs, fmt)) for task, obs in zip(tasks, observations, strict=True)]
-    conversations = None if batched else [ConversationBackend(model, tokenizer) for _ in episodes]
     was_training = model.training
     model.eval()
     try:
+        started = time.monotonic()
+        observations = batch.start(tasks)
+        stats.env_seconds += time.monotonic() - started
+        episodes = [Episode(task, segments.prompt(task, obs, fmt))
+                    for task, obs in zip(tasks, observations, strict=True)]
+        conversations = None if batched else [ConversationBackend(model, tokenizer) for _ in episodes]
         for turn in range(max_turns):
             active = [i for i, e in enumerate(episodes) if not e.finished]
             if not active:
@@ -267,7 +356,8 @@ def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: E
             started = time.monotonic()
             replies, logprobs = generate_actions(
                 model, tokenizer, [episodes[i].prompt_ids + episodes[i].completion_ids for i in active],
-                max_action_tokens, temperature, None if batched else [conversations[i] for i in active])
+                max_action_tokens, temperature, None if batched else [conversations[i] for i in active],
+                None if seeds is None else [hash((seeds[i], turn)) & 0xFFFF_FFFF_FFFF for i in active])
             stats.policy_seconds += time.monotonic() - started
             actions = [parse_action(tokenizer.decode(ids, skip_special_tokens=True)) for ids in replies]
             started = time.monotonic()
@@ -301,4 +391,5 @@ def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: E
             episode.trajectory = batch.trajectory(i)
     finally:
         model.train(was_training)
+        batch.close()
     return episodes

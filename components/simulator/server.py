@@ -1,11 +1,15 @@
-"""A simulator bundle served to many rollout workers over OpenEnv's wire protocol (as openenv-core 0.3.0 speaks it).
+"""A synthetic environment served to many rollout workers over OpenEnv's wire protocol (as openenv-core 0.3.0 speaks
+it): a simulator bundle's (`create_app`, `dreamgym simulator serve`), or the RL stage's own, which its processes play
+in under a launcher (`shared_simulators`; `rollouts.RemoteSyntheticBatch` is the client).
 
 Each WebSocket connection to `/ws` is one session with its own episode: the client sends
-`{"type": "reset", "data": {"seed": 0, "task_id": ...}}`, `{"type": "step", "data": {"message": "open fridge"}}`,
-`{"type": "state"}` or `{"type": "close"}`, and gets `{"type": "observation", "data": {"observation": {...},
+`{"type": "reset", "data": {"seed": 0, "task_id": ...}}` (or `"task"`: a whole task record),
+`{"type": "step", "data": {"message": "open fridge"}}`, `{"type": "state"}` (the episode so far, with its
+trajectory record) or `{"type": "close"}`, and gets `{"type": "observation", "data": {"observation": {...},
 "reward": r, "done": d}}`, `{"type": "state", "data": {...}}` or `{"type": "error", "data": {"message", "code"}}`.
 The observation carries the text (`text`), the task, and what `gym_env.SimulatorEnv` puts in `info` (fallback,
-retrieved examples' ids, truncation at the turn limit). OpenEnv's `GenericEnvClient(base_url=...)` is a client.
+retrieved examples' ids, truncation at the turn limit, success once done). OpenEnv's `GenericEnvClient(base_url=...)`
+is a client.
 
 Steps of all sessions are batched: while the experience model answers one batch, the steps that arrive wait, and go
 together in the next `SyntheticEnvironment.step_batch` (one retrieval and one model call for all). At most
@@ -13,7 +17,7 @@ together in the next `SyntheticEnvironment.step_batch` (one retrieval and one mo
 `GET /schema` and `GET /metadata` answer as OpenEnv's do; `POST /reset` (stateless, as OpenEnv's) returns a first
 observation. With `shadow` (a share), that share of the sessions' episodes is replayed in the real environment as
 they end (`shadow.Shadow`); `GET /shadow` and the log say how far the two agree. The app holds no ML logic of its
-own: the bundle's environment does the work.
+own: the environment does the work.
 """
 from __future__ import annotations
 
@@ -22,16 +26,21 @@ import json
 import logging
 import random
 import uuid
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, WebSocket, WebSocketDisconnect
 
-from components.simulator.bundle import Bundle, load_bundle
-from components.simulator.shadow import Shadow
+from components import distributed
+from components.data.contract import Task
 from components.simulator.synthetic import record_trajectory
+
+if TYPE_CHECKING:  # create_app imports them: the RL stages, which serve no bundle, do not depend on them
+    from components.simulator.bundle import Bundle
+    from components.simulator.shadow import Shadow
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +92,24 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
                shadow: float = 0.0) -> FastAPI:
     """The server app of `bundle` (a path or a loaded bundle) for one of its environments; `shadow`: the share of
     episodes replayed in the real environment (0: none)."""
+    from components.simulator.bundle import Bundle, load_bundle
+    from components.simulator.shadow import Shadow
+
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     simulator = bundle.environment(environment, backend=backend, cache_dir=cache_dir)
+    shadowing = Shadow(*bundle.real_environment(simulator.name), shadow) if shadow else None
+    return simulator_app(simulator, lambda rng, task_id: bundle.choose_task(simulator.name, rng, task_id),
+                         bundle.truncated, version=str(bundle.manifest["format"]), max_sessions=max_sessions,
+                         max_batch=max_batch, shadowing=shadowing)
+
+
+def simulator_app(simulator: Any, choose_task: Callable[[random.Random, str | None], Task],
+                  truncated: Callable[[Any], bool] = lambda episode: False, *, version: str = "",
+                  max_sessions: int = 64, max_batch: int = 64, shadowing: Shadow | None = None) -> FastAPI:
+    """The server app of a synthetic environment (`synthetic.SyntheticEnvironment`): a reset plays the task its
+    message gives whole (`data.task`), else `choose_task(session's rng, data.task_id)`; `truncated(episode)` ends an
+    episode at a turn limit."""
     name = simulator.name
-    shadowing = Shadow(*bundle.real_environment(name), shadow) if shadow else None
     batcher = StepBatcher(simulator, max_batch)
     sessions: dict[str, Session] = {}
 
@@ -117,7 +140,9 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
     def first_observation(session: Session, data: dict[str, Any]) -> dict[str, Any]:
         if data.get("seed") is not None:
             session.rng.seed(data["seed"])
-        task = bundle.choose_task(name, session.rng, data.get("task_id"))
+        # a whole task: one the server need not know (a curriculum's variation, a user's own)
+        task = Task.from_dict(data["task"]) if data.get("task") is not None else \
+            choose_task(session.rng, data.get("task_id"))
         end_episode(session)
         session.episode, session.ended = simulator.new_episode(task), False
         return {"observation": {"text": session.episode.state, "task_id": task.task_id,
@@ -128,14 +153,15 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
         if session.episode is None or session.episode.done:
             raise RuntimeError("the episode is over or was never started: send a reset")
         result = await batcher.step(session.episode, action)
-        truncated = bundle.truncated(session.episode)
+        ended_by_limit = truncated(session.episode)
         if session.episode.done:
             end_episode(session)
         return {"observation": {"text": result.observation.state, "task_id": session.episode.task.task_id,
-                                "instruction": session.episode.task.instruction, "truncated": truncated,
+                                "instruction": session.episode.task.instruction, "truncated": ended_by_limit,
                                 "fallback": result.info["fallback"], "retrieved": result.info.get("retrieved", []),
-                                "reasoning": result.info.get("reasoning", "")},
-                "reward": float(result.reward), "done": bool(result.done or truncated)}
+                                "reasoning": result.info.get("reasoning", ""),
+                                "success": result.info.get("success")},  # the environment's verdict, when done
+                "reward": float(result.reward), "done": bool(result.done or ended_by_limit)}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -154,7 +180,7 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
     @app.get("/metadata")
     async def metadata() -> dict[str, Any]:
         return {"name": f"dreamgym-{name}", "description": "a DreamGym experience model simulating " + name,
-                "version": str(bundle.manifest["format"]), "readme_content": None, "author": None,
+                "version": version, "readme_content": None, "author": None,
                 "documentation_url": None}
 
     @app.get("/schema")
@@ -164,9 +190,9 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
                 "observation": {"type": "object", "properties": {
                     "text": text, "task_id": text, "instruction": text, "truncated": {"type": "boolean"},
                     "fallback": {"type": "boolean"}, "retrieved": {"type": "array", "items": text},
-                    "reasoning": text}},
+                    "reasoning": text, "success": {"type": ["boolean", "null"]}}},
                 "state": {"type": "object", "properties": {"episode_id": text, "step_count": {"type": "integer"},
-                                                           "task_id": text}}}
+                                                           "task_id": text, "trajectory": {"type": "object"}}}}
 
     @app.post("/reset")
     async def reset(data: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +239,9 @@ def create_app(bundle: Bundle | str | Path, *, environment: str | None = None, m
                         reply = {"type": "state", "data": {
                             "episode_id": episode.trajectory_id if episode else None,
                             "step_count": len(episode.steps) if episode else 0,
-                            "task_id": episode.task.task_id if episode else None}}
+                            "task_id": episode.task.task_id if episode else None,
+                            # the episode so far as a contract trajectory (what an RL client keeps)
+                            "trajectory": record_trajectory(episode).to_dict() if episode else None}}
                     elif kind == "close":
                         break
                     else:
@@ -238,6 +266,57 @@ async def _close_quietly(websocket: WebSocket) -> None:
         await websocket.close()
     except RuntimeError:  # already closed by the client
         pass
+
+
+@contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
+    """`app` served from a thread of this process on a free port of `host`; yields its base URL, stops it after."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    listener = socket.socket()
+    listener.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=2 ** 26))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True, name="simulator")
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the simulator server on {host} did not start (see the log above)")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        listener.close()
+
+
+@contextmanager
+def shared_simulators(environments: Sequence[Any], sessions: int) -> Iterator[dict[str, str] | None]:
+    """Under a launcher: the main process serves each of its synthetic `environments` (on 127.0.0.1, `sessions`
+    episodes at once, their steps batched into one experience-model call) and every process gets the servers' URLs,
+    {environment name: URL}, to play its episodes in; the servers stop once every process is done. One process:
+    None (episodes step in the process, no server)."""
+    if distributed.world_size() == 1:
+        yield None
+        return
+    with ExitStack() as servers:
+        apps = {env.name: simulator_app(env, _tasks_come_whole, max_sessions=sessions, max_batch=sessions)
+                for env in environments} if distributed.is_main_process() else {}
+        urls = distributed.broadcast({name: servers.enter_context(serving(app)) for name, app in apps.items()})
+        yield urls
+        distributed.wait_for_everyone()  # the last episodes are played before the servers stop
+        for name, app in apps.items():  # the main process's: how well the processes' steps were batched
+            batcher = app.state.batcher
+            log.info("simulator server for %s (%s): %d steps of %d processes in %d experience-model calls", name,
+                     urls[name], batcher.steps, distributed.world_size(), batcher.batches)
+
+
+def _tasks_come_whole(rng: random.Random, task_id: str | None) -> Task:
+    raise LookupError("this simulator server plays the tasks its clients send: reset with data.task")
 
 
 def serve(bundle: str | Path, *, host: str, port: int, **settings: Any) -> None:
