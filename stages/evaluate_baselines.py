@@ -5,13 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.config import Params
 from components.reports import write_stage_outputs
 from components.results.evaluation import evaluate_baselines
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
-    """Expert and random baselines on held-out tasks of each real environment (success with confidence intervals)."""
+    """Expert and random baselines on held-out tasks of each real environment (success with confidence intervals).
+    Under a launcher the processes share the games and the main process writes."""
     metrics, report = evaluate_baselines(params)
+    if not distributed.is_main_process():
+        return {}
     write_stage_outputs("evaluate_baselines", metrics, report, root)
     return metrics

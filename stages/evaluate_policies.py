@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.builders import (
     fallback_budget,
     heldout_demonstrations,
@@ -56,15 +57,18 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     heldout_tasks = first_state_tasks(policy_trajectories(params, root, heldout=True)) if skipped else []
     simulated = {name: [t for t in heldout_tasks if t.environment == name][: params.policy.eval_tasks]
                  for name in skipped}
+    # Under a launcher the processes share each real environment's games (evaluate_policy); the main process alone
+    # plays the seed-only domains' games in the experience model, scores next actions, audits and writes.
+    main = distributed.is_main_process()
     simulators, simulator_stats = (synthetic_environments(params, root, saved_buffer(params, root), skipped)
-                                   if skipped else ([], None))
+                                   if skipped and main else ([], None))
     metrics: dict[str, Any] = {"skipped": skipped}
     rows, episodes, games = [], [], []
     for label, model_dir in candidates.items():
         key = label.replace(" ", "_")  # the policy's name in the metrics and the games file
         model, tokenizer = sft.load_trained_model(model_dir)
         entry: dict[str, Any] = {}
-        if heldout:
+        if heldout and main:
             entry["next_action"] = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,
                                                                params.policy.max_action_tokens)
         for name in environments:
@@ -95,6 +99,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",
                          f"{result.wall_s:.0f}", result.env_failures])
         metrics[key] = entry
+    if not main:
+        return {}
     if simulator_stats is not None:
         fallback_budget(params).check(simulator_stats, "evaluate_policies (held-out games of seed-only domains)",
                                       params.experience_model.inference.max_new_tokens)

@@ -85,7 +85,7 @@ def test_two_processes_train_the_experience_model_one_process_trains(project_tem
     for key in ("global_step", "examples", "train_loss", "final_loss"):
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-6), key
     assert not (two / "models" / "experience" / ".model.partial").exists()
-    assert (launched.stdout + launched.stderr).count("step 4/4 loss") == 1  # one progress log, the main process's
+    assert launched.count("step 4/4 loss") == 1  # one progress log, the main process's
 
 
 @pytest.mark.slow  # four small trainings and a torchrun start: about two minutes
@@ -138,28 +138,30 @@ def test_two_processes_take_the_rl_step_one_process_takes(project_template, tmp_
     assert simulator.calls > 0
     # one simulator server stepped both processes' episodes (8 steps), several processes' steps in a call
     served = re.search(r"simulator server for demo-kitchen \(http://127.0.0.1:\d+\): (\d+) steps of 2 processes in "
-                       r"(\d+) experience-model calls", launched.stdout + launched.stderr)
+                       r"(\d+) experience-model calls", launched)
     assert served and int(served[1]) == int(rows[1]["env_transitions"]) and int(served[2]) < int(served[1])
-    refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "evaluate_policies"], cwd=two,
+    refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "evaluate_experience_model"], cwd=two,
                              capture_output=True, text=True, timeout=600)
-    assert refused.returncode != 0 and "evaluate_policies is not rank-aware" in refused.stderr
+    assert refused.returncode != 0 and "evaluate_experience_model is not rank-aware" in refused.stderr
 
 
-@pytest.mark.slow  # TextWorld games, two small trainings and a torchrun start: about two minutes
-def test_two_processes_play_their_shares_of_sim_to_real_and_train_what_one_process_trains(project_template, tmp_path,
-                                                                                          tiny_model_dir):
+@pytest.mark.slow  # TextWorld games, a small training, three stages both ways: about two minutes
+def test_two_processes_share_the_real_games_of_sim_to_real_and_of_the_evaluations(project_template, tmp_path,
+                                                                                  tiny_model_dir):
     """`torchrun --nproc_per_node 2 dreamgym stage sim_to_real`: each process plays its episode of the iteration in a
     real TextWorld game of its own, from the episode's own sampling seed, so the episodes and the real transitions
-    spent are the ones a single process plays; the outputs are written once. (The tiny policy wins nothing in a real
-    game: no advantage, no update either way. That the processes' update is one process's, the synthetic_rl test
-    above shows, with rewards.)"""
+    spent are the ones a single process plays (the tiny policy wins nothing in a real game: no advantage, no update
+    either way; that the processes' update is one process's, the synthetic_rl test above shows, with rewards). Then
+    evaluate_baselines and evaluate_policies: each process plays its share of the held-out games; the same games,
+    outcomes and metrics as one process. Every output is written once."""
     one = copy_project(project_template, tmp_path / "one")
     set_params(one, {**SMALL_RUN, **tiny_policy(tiny_model_dir), "sim_to_real.start_from": "sft",
                      "data.heldout_task_fraction": 0.4,  # of the two games, one trains and one is held out
-                     "synthetic_rl.algorithm": "ppo", "synthetic_rl.micro_batch_size": 1})
+                     "policy.eval_tasks": 2, "synthetic_rl.algorithm": "ppo", "synthetic_rl.micro_batch_size": 1})
     run("dreamgym", "stage", "collect_seed", cwd=one)
     run("dreamgym", "data", "onboard", *map(str, sorted((one / "seed").glob("*.jsonl"))), "--no-version", cwd=one)
-    two, launched = _run_once_and_launched(one, tmp_path / "two", ("validate", "train_policy_sft"), "sim_to_real")
+    two, launched = _run_once_and_launched(one, tmp_path / "two", ("validate", "train_policy_sft"),
+                                           ("sim_to_real", "evaluate_baselines", "evaluate_policies"))
 
     from safetensors.torch import load_file
 
@@ -172,20 +174,36 @@ def test_two_processes_play_their_shares_of_sim_to_real_and_train_what_one_proce
     kept = [[json.loads(line)["steps"] for line in (p / "models" / "policy" / "s2r" / "on_policy.jsonl").open()]
             for p in (one, two)]
     assert kept[0] == kept[1]  # the same real episodes, in the same order
-    assert (launched.stdout + launched.stderr).count("iteration 1/1 reward") == 1  # logged once, by the main process
+    assert launched.count("iteration 1/1 reward") == 1  # logged once, by the main process
+
+    def without_wall_time(metrics):
+        if isinstance(metrics, dict):
+            return {key: without_wall_time(value) for key, value in metrics.items() if key != "wall_s"}
+        return metrics
+
+    for stage in ("evaluate_baselines", "evaluate_policies"):
+        evaluated = [json.loads((p / "metrics" / f"{stage}.json").read_text()) for p in (one, two)]
+        assert without_wall_time(evaluated[0]) == without_wall_time(evaluated[1]), stage
+    assert evaluated[1]["sim-to-real"]["textworld-cooking"]["episodes"] == 2  # both held-out games, one per process
+    games = [(p / "reports" / "evaluate_policies_games.csv").read_text() for p in (one, two)]
+    assert games[0] == games[1] and len(games[1].splitlines()) == 1 + 2 * 2  # 2 policies x 2 games, in order
+    assert "this process's share of 2" in launched  # progress from the main process, on its share
 
 
-def _run_once_and_launched(one, two, inputs: tuple[str, ...], stage: str) -> tuple:
-    """Run the `inputs` stages in the project `one`, copy it to `two`, then `stage` as one process in `one` and as two
-    (torchrun) in `two`; the copy and the launch's completed process."""
+def _run_once_and_launched(one, two, inputs: tuple[str, ...], stages: str | tuple[str, ...]) -> tuple:
+    """Run the `inputs` stages in the project `one`, copy it to `two`, then `stages` as one process in `one` and as
+    two (torchrun) in `two`; the copy and the launches' output (stdout and stderr)."""
     for name in inputs:
         run("dreamgym", "stage", name, cwd=one)
     shutil.copytree(one, two, symlinks=True)
-    run("dreamgym", "stage", stage, cwd=one)
-    launched = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", stage], cwd=two, capture_output=True,
-                              text=True, timeout=900)
-    assert launched.returncode == 0, launched.stderr[-4000:]
-    return two, launched
+    output = ""
+    for stage in (stages,) if isinstance(stages, str) else stages:
+        run("dreamgym", "stage", stage, cwd=one)
+        launched = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", stage], cwd=two, capture_output=True,
+                                  text=True, timeout=900)
+        assert launched.returncode == 0, launched.stderr[-4000:]
+        output += launched.stdout + launched.stderr
+    return two, output
 
 
 class _ScriptedExperienceServer:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
 
+from components import distributed
 from components.config import EnvironmentsParams, Params
 from components.data.contract import SOURCES, Task, Trajectory
 from components.envs.base import Environment, Observation, Policy, check_not_all_failed, env_failure
@@ -98,9 +99,17 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     environment) stops the other workers and is raised; every environment is closed on every path. `max_steps`
     (default: the environment's own cap) bounds each episode. An episode an environment failure ended counts in
     `env_failures` only; when every episode did, the environment is broken, not flaky, and this raises.
+
+    Under a launcher every process calls it and plays its share of the tasks (`workers` environments each); every
+    process gets the whole result, the same as one process's (a policy that plays a task the same wherever it plays
+    it, as greedy and task-seeded ones do). Only the main process reports progress, on its share.
     """
     max_steps = max_steps or kind.max_steps(env_params)
     source = name if name in SOURCES else "policy"
+    share, total = distributed.share(len(tasks)), len(tasks)
+    offset, tasks = share.start, tasks[share.start:share.stop]  # this process's share (one process: all)
+    if not distributed.is_main_process():
+        progress = None
     trajectories: list[Trajectory | None] = [None] * len(tasks)
     lock = threading.Lock()
     stop = threading.Event()
@@ -117,7 +126,8 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
         elapsed = now - started
         eta = elapsed / done * (len(tasks) - done)
         counted, failures = done - state["env_failures"], state["env_failures"]
-        progress(f"[evaluate {kind.name} / {name}] {done}/{len(tasks)} episodes, "
+        of = f" (this process's share of {total})" if len(tasks) < total else ""
+        progress(f"[evaluate {kind.name} / {name}] {done}/{len(tasks)} episodes{of}, "
                  f"success {state['successes'] / counted if counted else 0.0:.2f}"
                  + (f" ({failures} environment failures excluded)" if failures else "")
                  + f", elapsed {elapsed:.0f} s, ETA {eta:.0f} s")
@@ -135,7 +145,7 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
                 if index >= len(tasks):
                     return
                 trajectory = run_episode(env, tasks[index], make_policy(env), max_steps=max_steps,
-                                         trajectory_id=f"eval-{name}-{index:05d}-{tasks[index].task_id}",
+                                         trajectory_id=f"eval-{name}-{offset + index:05d}-{tasks[index].task_id}",
                                          source=source)
                 with lock:
                     trajectories[index] = trajectory
@@ -171,8 +181,9 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
         raise
     if errors:
         raise errors[0]
-    result = summarize(kind.name, name, [t for t in trajectories if t is not None], confidence,
-                       time.monotonic() - started)
+    shares = distributed.all_gather(([t for t in trajectories if t is not None], time.monotonic() - started))
+    result = summarize(kind.name, name, [t for played, _ in shares for t in played], confidence,
+                       max(seconds for _, seconds in shares))
     check_not_all_failed(result.trajectories, f"evaluate {kind.name} / {name}")
     return result
 
