@@ -13,13 +13,28 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+_alone = False  # inside `alone()`: this process acts as the only one
+
 
 def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return 1 if _alone else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return 0 if _alone else int(os.environ.get("RANK", "0"))
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Within the block this process acts as the only one, every collective a no-op: for work one process does by
+    itself while the others wait elsewhere (the main process's learning-curve games, a step only it runs), where a
+    collective would wait for processes that never come."""
+    global _alone
+    was, _alone = _alone, True
+    try:
+        yield
+    finally:
+        _alone = was
 
 
 def local_rank() -> int:

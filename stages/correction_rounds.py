@@ -15,6 +15,11 @@ RL policy and their on-policy data is the replay audit's alone.
 
 A finished round is kept (its `round.json`) and a rerun goes on from the next; a round cut short resumes its
 unfinished steps (each keeps its own checkpoints). Rounds made under other settings or inputs are discarded.
+
+Under a launcher every process runs the rounds: the rank-aware steps (synthetic_rl, sim_to_real, evaluate_policies,
+train_experience_model) on all of them, the others (the replay audit, onboarding, annotate, index_buffer,
+evaluate_experience_model) and every write on the main process while the others wait; each step's metrics are read
+back from its file, so every process computes the same rows.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.config import Params, get_dotted, overridden
 from components.data.contract import ON_POLICY, TRAJECTORIES, is_heldout_game, read_trajectories, write_trajectories
 from components.data.onboarding import onboard
@@ -43,7 +49,7 @@ from stages import (
     synthetic_rl,
     train_experience_model,
 )
-from stages.common import StageError
+from stages.common import RANK_AWARE_STAGES, StageError
 
 log = logging.getLogger(__name__)
 # what a round reads (the keys of `current`) and where a corrected round keeps its own, under its directory
@@ -61,8 +67,9 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     on-policy trajectories are the outputs."""
     root, settings = Path(root).resolve(), params.correction
     out = root / settings.out_dir
+    main = distributed.is_main_process()
     if settings.rounds == 0:
-        return _skipped(params, root, "correction.rounds is 0")
+        return _skipped(params, root, "correction.rounds is 0") if main else {}
     if settings.real_transitions < (cost := sim_to_real.iteration_cost(params)):
         raise StageError(f"correction.real_transitions {settings.real_transitions} pays for no sim-to-real iteration "
                          f"(one costs up to {cost}: sim_to_real.tasks_per_iteration x "
@@ -75,22 +82,28 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     started = time.monotonic()
     for number in range(1, settings.rounds + 1):
         round_dir = round_path(params, root, number)
-        if discard_unless_stamped(round_dir, f"{fingerprint} round {number}", round_dir / "STAMP"):
-            log.info("round %d: discarded work of other settings or inputs", number)
+        with distributed.main_process_first():
+            if main and discard_unless_stamped(round_dir, f"{fingerprint} round {number}", round_dir / "STAMP"):
+                log.info("round %d: discarded work of other settings or inputs", number)
         finished = round_dir / ROUND_FILE
         if finished.is_file():
             row = json.loads(finished.read_text(encoding="utf-8"))
-            print(f"[correction_rounds] round {number}/{settings.rounds}: finished before, kept")
+            say(f"[correction_rounds] round {number}/{settings.rounds}: finished before, kept")
         else:
             row = play_round(params, root, round_dir, number, current, rows)
-            finished.write_text(json.dumps(row, indent=1), encoding="utf-8")
+            if main:
+                finished.write_text(json.dumps(row, indent=1), encoding="utf-8")
+            distributed.wait_for_everyone()
         current = after_round(current, round_dir, settings.feedback, round_policy(params, number))
         rows.append(row)
         elapsed = time.monotonic() - started
-        print(f"[correction_rounds] round {number}/{settings.rounds} done: {row['real_transitions_total']} real "
-              f"transitions so far, on-policy false wins {row['on_policy_false_wins']}/{row['on_policy_unrewarded']}"
-              f", synthetic wins confirmed {row['confirmed_wins']}/{row['synthetic_wins']}, held-out success "
-              f"{row['heldout_success']}; ETA {elapsed / number * (settings.rounds - number):.0f}s")
+        say(f"[correction_rounds] round {number}/{settings.rounds} done: {row['real_transitions_total']} real "
+            f"transitions so far, on-policy false wins {row['on_policy_false_wins']}/{row['on_policy_unrewarded']}"
+            f", synthetic wins confirmed {row['confirmed_wins']}/{row['synthetic_wins']}, held-out success "
+            f"{row['heldout_success']}; ETA {elapsed / number * (settings.rounds - number):.0f}s")
+
+    if not main:  # the main process writes the outputs
+        return {}
 
     _replace_dir(current["policy"] / "model", out / "model")
     _replace_dir(current["experience"] / "model", out / "experience_model")
@@ -159,18 +172,20 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
                                   # the last round's policy is the result: it plays every held-out game
                                   "policy.eval_tasks": params.policy.eval_tasks if number == settings.rounds
                                   else min(settings.heldout_games, params.policy.eval_tasks)})
-    print(f"[correction_rounds] round {number}/{settings.rounds}: synthetic RL from {current['policy']} with the "
-          f"experience model of {current['experience']}")
-    synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir))
-    real = (_step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir))
+    say(f"[correction_rounds] round {number}/{settings.rounds}: synthetic RL from {current['policy']} with the "
+        f"experience model of {current['experience']}")
+    synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir), everywhere=True)
+    real = (_step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir), everywhere=True)
             if policy_stage == "sim_to_real" else {"real_transitions_used": 0})
-    evaluated = _step(round_dir, "evaluate_policies", lambda: evaluate_policies.run(playing, round_dir))
+    evaluated = _step(round_dir, "evaluate_policies", lambda: evaluate_policies.run(playing, round_dir),
+                      everywhere=True)
     audit, replays = replay_audit(playing, round_dir)
 
     # On-policy data: sim-to-real's episodes and the replays of synthetic episodes, all on training tasks
     on_policy = (read_trajectories(round_dir / "sim_to_real" / ON_POLICY) if policy_stage == "sim_to_real" else []) \
         + replays
-    write_trajectories(on_policy, round_dir / ON_POLICY)
+    if distributed.is_main_process():
+        write_trajectories(on_policy, round_dir / ON_POLICY)
     quarantined = 0
     if settings.feedback:
         quarantined = correct(params, root, round_dir, current)
@@ -178,7 +193,7 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
     measuring = overridden(params, _reading(root, params, after_round(current, round_dir, settings.feedback,
                                                                        policy_stage)))
     fidelity = _step(round_dir, "evaluate_experience_model",
-                     lambda: evaluate_experience_model.run(measuring, round_dir))
+                     lambda: evaluate_experience_model.run(measuring, round_dir), everywhere=False)
 
     audit = audit.values()
     on_policy_model = fidelity.get("on_policy", {}).get("experience model", {}).get("overall", {})
@@ -206,13 +221,15 @@ def replay_audit(params: Params, round_dir: Path) -> tuple[dict[str, Any], list]
     many synthetic wins the game confirms, and the replays (real transitions on training tasks). Kept in the round
     directory, so a resumed round does not play them again."""
     kept, replayed = round_dir / "replay_audit.json", round_dir / "replays.jsonl"
-    if not kept.is_file():
-        environments = [name for name in params.policy.environments if has_adapter(name)]
-        audit, replays, _ = evaluate_policies.replay_synthetic_episodes(params, round_dir, environments,
-                                                                        params.correction.replay_transitions)
-        write_trajectories([t for t in replays if not is_heldout_game(t.task.environment, t.task.parameters)],
-                           replayed)
-        kept.write_text(json.dumps(audit, indent=1), encoding="utf-8")
+    with distributed.main_process_first():  # the main process replays them; the others read them back
+        if distributed.is_main_process() and not kept.is_file():
+            environments = [name for name in params.policy.environments if has_adapter(name)]
+            with distributed.alone():
+                audit, replays, _ = evaluate_policies.replay_synthetic_episodes(params, round_dir, environments,
+                                                                                params.correction.replay_transitions)
+            write_trajectories([t for t in replays if not is_heldout_game(t.task.environment, t.task.parameters)],
+                               replayed)
+            kept.write_text(json.dumps(audit, indent=1), encoding="utf-8")
     return json.loads(kept.read_text(encoding="utf-8")), read_trajectories(replayed)
 
 
@@ -227,13 +244,16 @@ def correct(params: Params, root: Path, round_dir: Path, current: dict[str, Path
     """The round's on-policy trajectories onboarded beside the data so far, then the buffer re-indexed and the
     experience model trained on, from the current one; how many on-policy records onboarding quarantined."""
     data_dir, onboarded = round_dir / CORRECTED["data"], round_dir / "onboarding.json"
-    if not onboarded.is_file():  # not onboarded yet, or cut short while onboarding: from the data so far, again
-        shutil.rmtree(data_dir, ignore_errors=True)
-        data_dir.mkdir(parents=True)
-        shutil.copyfile(current["data"] / TRAJECTORIES, data_dir / TRAJECTORIES)
-        result = onboard([round_dir / ON_POLICY], data_dir, Limits.of(params.data), version=False)
-        print(f"[correction_rounds] {result.summary()}")
-        onboarded.write_text(json.dumps({"quarantined": len(result.rejected)}), encoding="utf-8")
+    with distributed.main_process_first():
+        # not onboarded yet, or cut short while onboarding: from the data so far, again
+        if distributed.is_main_process() and not onboarded.is_file():
+            shutil.rmtree(data_dir, ignore_errors=True)
+            data_dir.mkdir(parents=True)
+            shutil.copyfile(current["data"] / TRAJECTORIES, data_dir / TRAJECTORIES)
+            with distributed.alone():
+                result = onboard([round_dir / ON_POLICY], data_dir, Limits.of(params.data), version=False)
+            print(f"[correction_rounds] {result.summary()}")
+            onboarded.write_text(json.dumps({"quarantined": len(result.rejected)}), encoding="utf-8")
     quarantined = json.loads(onboarded.read_text(encoding="utf-8"))["quarantined"]
     outputs = {key: round_dir / name for key, name in CORRECTED.items()}
     corrected = overridden(params, {
@@ -241,7 +261,8 @@ def correct(params: Params, root: Path, round_dir: Path, current: dict[str, Path
         "experience_model.training.max_steps": params.correction.training_steps})
     for stage in (annotate, index_buffer, train_experience_model):
         name = stage.__name__.rsplit(".", 1)[-1]
-        _step(round_dir, name, lambda stage=stage: stage.run(corrected, round_dir))
+        _step(round_dir, name, lambda stage=stage: stage.run(corrected, round_dir),
+              everywhere=name in RANK_AWARE_STAGES)
     return quarantined
 
 
@@ -251,12 +272,25 @@ def _reading(root: Path, params: Params, paths: dict[str, Path]) -> dict[str, st
             **{READ_FROM[key]: str(path) for key, path in paths.items()}}
 
 
-def _step(round_dir: Path, stage: str, work) -> dict[str, Any]:
-    """A stage's metrics in the round: read back when it finished before (a resumed round), else from `work`."""
+def _step(round_dir: Path, stage: str, work, everywhere: bool) -> dict[str, Any]:
+    """A stage's metrics in the round, read back from its file: `work` runs it unless it finished before (a resumed
+    round). Under a launcher `work` runs on every process (`everywhere`: a rank-aware stage) or on the main one, and
+    every process reads the metrics once all are done."""
     done = metrics_path(stage, round_dir)
-    if done.is_file():
-        return json.loads(done.read_text(encoding="utf-8"))
-    return work()
+    if not done.is_file():
+        if everywhere:
+            work()
+        elif distributed.is_main_process():
+            with distributed.alone():  # a stage that is not rank-aware runs as one process would
+                work()
+        distributed.wait_for_everyone()
+    return json.loads(done.read_text(encoding="utf-8"))
+
+
+def say(line: str) -> None:
+    """A progress line, from the main process only."""
+    if distributed.is_main_process():
+        print(line, flush=True)
 
 
 def _fingerprint(raw: dict[str, Any], inputs: dict[str, Path]) -> str:

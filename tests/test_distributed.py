@@ -38,6 +38,10 @@ def test_only_the_main_process_writes_outputs_and_models(tmp_path):
         from tests.conftest import settings_from_params
 
         root, rank = Path({str(tmp_path)!r}), 0 if distributed.is_main_process() else 1
+        if rank == 0:  # work the main process does by itself: its collectives must not wait for rank 1
+            with distributed.alone():
+                assert distributed.all_gather("x") == ["x"] and distributed.share(4) == range(4)
+                distributed.wait_for_everyone()
         model, tokenizer = build_tiny_causal_lm(["a tiny model"])
         settings = settings_from_params("training", lora=None)
         if rank == 1:
@@ -188,6 +192,41 @@ def test_two_processes_share_the_real_games_of_sim_to_real_and_of_the_evaluation
     games = [(p / "reports" / "evaluate_policies_games.csv").read_text() for p in (one, two)]
     assert games[0] == games[1] and len(games[1].splitlines()) == 1 + 2 * 2  # 2 policies x 2 games, in order
     assert "this process's share of 2" in launched  # progress from the main process, on its share
+
+
+@pytest.mark.slow  # TextWorld games, small trainings, two rounds both ways: about four minutes
+def test_two_processes_run_the_correction_rounds_one_process_runs(project_template, tmp_path, tiny_model_dir):
+    """`torchrun --nproc_per_node 2 dreamgym stage correction_rounds`: the rank-aware steps on both processes, the
+    rest on the main one, each round's rows read back from its steps' files by both. With a deterministic experience
+    model (the scripted endpoint) and PPO, the two rounds come out as one process's: the same real transitions,
+    on-policy episodes, audits, fidelity and held-out success; the outputs are written once."""
+    simulator = _ScriptedExperienceServer()
+    one = copy_project(project_template, tmp_path / "one")
+    set_params(one, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
+                     **tiny_policy(tiny_model_dir), "data.heldout_task_fraction": 0.4,
+                     "correction.heldout_games": 1, "experience_model.on_policy_games": 1, "correction.rounds": 2,
+                     "correction.real_transitions": 4, "correction.training_steps": 1,
+                     "synthetic_rl.algorithm": "ppo", "synthetic_rl.micro_batch_size": 1,
+                     "synthetic_rl.curriculum.enabled": False,  # the scripted endpoint writes no tasks
+                     "experience_model.inference.backend": "openai",
+                     "experience_model.inference.base_url": simulator.url})
+    run("dreamgym", "stage", "collect_seed", cwd=one)
+    run("dreamgym", "data", "onboard", *map(str, sorted((one / "seed").glob("*.jsonl"))), "--no-version", cwd=one)
+    two, launched = _run_once_and_launched(
+        one, tmp_path / "two", ("annotate", "index_buffer", "train_experience_model", "train_policy_sft"),
+        "correction_rounds")
+
+    tables = [(p / "metrics" / "correction_rounds.csv").read_text().splitlines() for p in (one, two)]
+    rows = [[dict(zip(table[0].split(","), line.split(","), strict=True)) for line in table[1:]] for table in tables]
+    assert len(rows[1]) == 2 and int(rows[1][1]["real_transitions_total"]) > 0
+    for mine, theirs in zip(*rows, strict=True):
+        assert {k: v for k, v in mine.items() if k != "minutes"} == {k: v for k, v in theirs.items() if k != "minutes"}
+    # the same on-policy episodes (a round lists its replays by their synthetic episodes' random ids)
+    played = [sorted(json.dumps(t["steps"]) for t in map(json.loads, (p / "models" / "correction" /
+                                                                       "on_policy.jsonl").open())) for p in (one, two)]
+    assert played[0] == played[1] and played[1]
+    assert launched.count("round 2/2 done") == 1 and launched.count("round 1/2: synthetic RL from") == 1
+    assert (two / "models" / "correction" / "experience_model" / "config.json").is_file()
 
 
 def _run_once_and_launched(one, two, inputs: tuple[str, ...], stages: str | tuple[str, ...]) -> tuple:

@@ -118,7 +118,8 @@ class CurveProbe:
         started, training = time.monotonic(), model.training
         model.eval()
         try:
-            success = self.measure(model, tokenizer)
+            with distributed.alone():  # the main process measures by itself (the RL loops call it there alone)
+                success = self.measure(model, tokenizer)
         finally:
             model.train(training)
         return {"heldout_success": round(success, 4), "curve_s": round(time.monotonic() - started, 2)}
