@@ -2,6 +2,7 @@
 CPU): one process writes, and N processes train what one does."""
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shutil
@@ -161,7 +162,9 @@ def test_two_processes_share_the_real_games_of_sim_to_real_and_of_the_evaluation
     one = copy_project(project_template, tmp_path / "one")
     set_params(one, {**SMALL_RUN, **tiny_policy(tiny_model_dir), "sim_to_real.start_from": "sft",
                      "data.heldout_task_fraction": 0.4,  # of the two games, one trains and one is held out
-                     "policy.eval_tasks": 2, "synthetic_rl.algorithm": "ppo", "synthetic_rl.micro_batch_size": 1})
+                     "policy.eval_tasks": 2, "synthetic_rl.algorithm": "ppo", "synthetic_rl.micro_batch_size": 1,
+                     # the learning curve: the main process plays a held-out game by itself after the iteration
+                     "evaluate.curve_every": 1, "evaluate.curve_games": 1})
     run("dreamgym", "stage", "collect_seed", cwd=one)
     run("dreamgym", "data", "onboard", *map(str, sorted((one / "seed").glob("*.jsonl"))), "--no-version", cwd=one)
     two, launched = _run_once_and_launched(one, tmp_path / "two", ("validate", "train_policy_sft"),
@@ -179,6 +182,8 @@ def test_two_processes_share_the_real_games_of_sim_to_real_and_of_the_evaluation
             for p in (one, two)]
     assert kept[0] == kept[1]  # the same real episodes, in the same order
     assert launched.count("iteration 1/1 reward") == 1  # logged once, by the main process
+    curves = [list(csv.DictReader((p / "metrics" / "sim_to_real_iterations.csv").open())) for p in (one, two)]
+    assert curves[0][0]["heldout_success"] == curves[1][0]["heldout_success"] != ""
 
     def without_wall_time(metrics):
         if isinstance(metrics, dict):
