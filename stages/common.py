@@ -19,8 +19,8 @@ STAGES = ("collect_seed", "validate", "annotate", "index_buffer", "train_experie
 # what `torchrun`/`accelerate launch` may start on several processes (components/distributed.py): only the main
 # process writes, the processes play their shares of RL iterations and of evaluations and train one model
 # data-parallel
-RANK_AWARE_STAGES = ("train_experience_model", "train_policy_sft", "synthetic_rl", "sim_to_real",
-                     "evaluate_policies", "evaluate_baselines", "correction_rounds")
+RANK_AWARE_STAGES = ("train_experience_model", "train_policy_sft", "evaluate_experience_model", "synthetic_rl",
+                     "sim_to_real", "evaluate_policies", "evaluate_baselines", "correction_rounds")
 # old name -> new name: `dreamgym stage/flow OLD` still runs the stage, with a notice, for one release
 RENAMED = {"evaluate": "evaluate_baselines"}
 

@@ -17,8 +17,8 @@ A finished round is kept (its `round.json`) and a rerun goes on from the next; a
 unfinished steps (each keeps its own checkpoints). Rounds made under other settings or inputs are discarded.
 
 Under a launcher every process runs the rounds: the rank-aware steps (synthetic_rl, sim_to_real, evaluate_policies,
-train_experience_model) on all of them, the others (the replay audit, onboarding, annotate, index_buffer,
-evaluate_experience_model) and every write on the main process while the others wait; each step's metrics are read
+train_experience_model, evaluate_experience_model) on all of them, the others (the replay audit, onboarding, annotate,
+index_buffer) and every write on the main process while the others wait; each step's metrics are read
 back from its file, so every process computes the same rows.
 """
 from __future__ import annotations
@@ -193,7 +193,7 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
     measuring = overridden(params, _reading(root, params, after_round(current, round_dir, settings.feedback,
                                                                        policy_stage)))
     fidelity = _step(round_dir, "evaluate_experience_model",
-                     lambda: evaluate_experience_model.run(measuring, round_dir), everywhere=False)
+                     lambda: evaluate_experience_model.run(measuring, round_dir), everywhere=True)
 
     audit = audit.values()
     on_policy_model = fidelity.get("on_policy", {}).get("experience model", {}).get("overall", {})

@@ -1,12 +1,14 @@
 """evaluate_experience_model: fidelity on held-out real transitions, the experience model against
 copy-nearest-neighbour and no-change: on the seed's held-out tasks, and on the warm-start policy's own play of
-held-out evaluation games (the states a policy reaches; they only measure)."""
+held-out evaluation games (the states a policy reaches; they only measure). Under a launcher each process predicts
+its share of the transitions and plays its share of the games; the main process scores them all and writes."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
 from typing import Any
 
+from components import distributed
 from components.builders import (
     experience_predictor,
     experience_trajectories,
@@ -51,6 +53,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         stats.add(on_policy_stats)
     else:  # a seed-only domain, or no warm start or games: nothing played, an empty file for DVC's output
         write_records([], root / ON_POLICY_FILE)
+    if not distributed.is_main_process():
+        return {}
     fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
                                          f"{PREDICTIONS_FILE}, {ON_POLICY_FILE})", settings.inference.max_new_tokens)
     write_stage_outputs("evaluate_experience_model", metrics,
@@ -62,7 +66,14 @@ def score(params: Params, root: Path, buffer: Any, heldout: list[Transition], st
           predictions_file: Path) -> dict[str, Any]:
     """The fidelity table of the experience model and the two baselines on `heldout`; each prediction is written
     beside its gold transition to `predictions_file`, to read where the model goes wrong."""
-    predictions = experience_predictor(params, root, buffer, stats)(heldout)
+    share = distributed.share(len(heldout))
+    mine = experience_predictor(params, root, buffer, stats)(heldout[share.start:share.stop]) if share else []
+    parts = distributed.all_gather((mine, stats))
+    if not distributed.is_main_process():
+        return {}
+    predictions = [prediction for part, _ in parts for prediction in part]
+    for _, theirs in parts[1:]:  # the budget holds for every process's predictions
+        stats.add(theirs)
     predictors = {
         "experience model": lambda _: predictions,
         "copy nearest neighbour": fidelity.copy_nearest_neighbour(buffer),

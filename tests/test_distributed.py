@@ -145,9 +145,9 @@ def test_two_processes_take_the_rl_step_one_process_takes(project_template, tmp_
     served = re.search(r"simulator server for demo-kitchen \(http://127.0.0.1:\d+\): (\d+) steps of 2 processes in "
                        r"(\d+) experience-model calls", launched)
     assert served and int(served[1]) == int(rows[1]["env_transitions"]) and int(served[2]) < int(served[1])
-    refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "evaluate_experience_model"], cwd=two,
+    refused = subprocess.run([*TORCHRUN, str(BIN / "dreamgym"), "stage", "index_buffer"], cwd=two,
                              capture_output=True, text=True, timeout=600)
-    assert refused.returncode != 0 and "evaluate_experience_model is not rank-aware" in refused.stderr
+    assert refused.returncode != 0 and "index_buffer is not rank-aware" in refused.stderr
 
 
 @pytest.mark.slow  # TextWorld games, a small training, three stages both ways: about two minutes
@@ -201,10 +201,11 @@ def test_two_processes_share_the_real_games_of_sim_to_real_and_of_the_evaluation
 
 @pytest.mark.slow  # TextWorld games, small trainings, two rounds both ways: about four minutes
 def test_two_processes_run_the_correction_rounds_one_process_runs(project_template, tmp_path, tiny_model_dir):
-    """`torchrun --nproc_per_node 2 dreamgym stage correction_rounds`: the rank-aware steps on both processes, the
-    rest on the main one, each round's rows read back from its steps' files by both. With a deterministic experience
-    model (the scripted endpoint) and PPO, the two rounds come out as one process's: the same real transitions,
-    on-policy episodes, audits, fidelity and held-out success; the outputs are written once."""
+    """`torchrun --nproc_per_node 2 dreamgym stage evaluate_experience_model`, then `correction_rounds`: the
+    rank-aware steps on both processes, the rest on the main one, each round's rows read back from its steps' files by
+    both. With a deterministic experience model (the scripted endpoint) and PPO, the fidelity and the two rounds come
+    out as one process's: the same predictions, real transitions, on-policy episodes, audits, fidelity and held-out
+    success; the outputs are written once."""
     simulator = _ScriptedExperienceServer()
     one = copy_project(project_template, tmp_path / "one")
     set_params(one, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
@@ -219,7 +220,15 @@ def test_two_processes_run_the_correction_rounds_one_process_runs(project_templa
     run("dreamgym", "data", "onboard", *map(str, sorted((one / "seed").glob("*.jsonl"))), "--no-version", cwd=one)
     two, launched = _run_once_and_launched(
         one, tmp_path / "two", ("annotate", "index_buffer", "train_experience_model", "train_policy_sft"),
-        "correction_rounds")
+        ("evaluate_experience_model", "correction_rounds"))
+
+    # evaluate_experience_model: each process predicts its share; the same predictions and fidelity as one process
+    for name in ("evaluate_experience_model_predictions.jsonl", "evaluate_experience_model_on_policy.jsonl"):
+        assert (one / "reports" / name).read_text() == (two / "reports" / name).read_text() != "", name
+    fidelity = [json.loads((p / "metrics" / "evaluate_experience_model.json").read_text()) for p in (one, two)]
+    for scored in fidelity:  # backend calls and generations are per process; the predictions are what counts
+        scored.pop("prediction"), scored["on_policy"].pop("prediction")
+    assert fidelity[0] == fidelity[1] and fidelity[1]["on_policy"]["games"] == 1
 
     tables = [(p / "metrics" / "correction_rounds.csv").read_text().splitlines() for p in (one, two)]
     rows = [[dict(zip(table[0].split(","), line.split(","), strict=True)) for line in table[1:]] for table in tables]

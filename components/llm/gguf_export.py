@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +45,8 @@ def export_gguf(model_dir: str | Path, weight_type: WeightType, cache_dir: str |
     if config.get("model_type") != "llama":
         raise ValueError(f"{model_dir}: GGUF export handles Llama-architecture models (SmolLM2 is one), "
                          f"not model_type {config.get('model_type')!r}; use the 'hf' backend for it")
-    writer = gguf.GGUFWriter(str(target) + ".tmp", "llama")
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # its own: processes of a launch may export at once
+    writer = gguf.GGUFWriter(str(partial), "llama")
     _write_metadata(writer, config, weight_type)
     _write_tokenizer(writer, model_dir)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -66,7 +68,7 @@ def export_gguf(model_dir: str | Path, weight_type: WeightType, cache_dir: str |
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    Path(str(target) + ".tmp").replace(target)  # a crash mid-write leaves no file that looks complete
+    partial.replace(target)  # a crash mid-write leaves no file that looks complete
     return target
 
 
