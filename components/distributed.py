@@ -48,12 +48,27 @@ def device() -> str:
     return f"cuda:{local_rank()}" if torch.cuda.is_available() else "cpu"
 
 
+# How long a process waits in a collective for the others: the main process does some work alone (a step that is not
+# rank-aware inside correction_rounds, a learning-curve point, the replay audit) while the others wait at a barrier,
+# longer than the trainers' default of 30 minutes (NCCL's watchdog: 10) on a large run.
+PROCESS_GROUP_TIMEOUT_S = 6 * 3600
+
+
+def join() -> None:
+    """Join the launch's process group now (the CLI does, before a stage), so that it is made with our timeout: the
+    first to make it (a Trainer would, with its own) sets it for every collective after."""
+    if world_size() > 1:
+        _state()
+
+
 def _state():
+    from datetime import timedelta
+
     import torch
     from accelerate import PartialState
 
     # the same process group the trainers join (transformers' use_cpu: gloo on a CPU, nccl on GPUs)
-    return PartialState(cpu=not torch.cuda.is_available())
+    return PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
 
 
 def is_main_process() -> bool:

@@ -126,6 +126,7 @@ def _command(args: argparse.Namespace) -> int:
                   f"it and write its outputs. Run it as one process (`dreamgym stage {args.name}`); these run on "
                   f"several: {', '.join(RANK_AWARE_STAGES)}", file=sys.stderr)
             return EXIT_UNUSABLE
+        distributed.join()
         return _run(lambda: importlib.import_module(f"stages.{args.name}").run(params))
     if args.command == "flow":
         from flows import pipeline

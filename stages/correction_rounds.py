@@ -277,7 +277,7 @@ def _step(round_dir: Path, stage: str, work, everywhere: bool) -> dict[str, Any]
     round). Under a launcher `work` runs on every process (`everywhere`: a rank-aware stage) or on the main one, and
     every process reads the metrics once all are done."""
     done = metrics_path(stage, round_dir)
-    if not done.is_file():
+    if not distributed.broadcast(done.is_file()):  # the main process's answer: it may write it before another asks
         if everywhere:
             work()
         elif distributed.is_main_process():

@@ -51,8 +51,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         metrics["on_policy"] = {"games": games, "transitions_played": len(played), "transitions": len(on_policy),
                                 "prediction": on_policy_stats.as_dict(), **on_policy_results}
         stats.add(on_policy_stats)
-    else:  # a seed-only domain, or no warm start or games: nothing played, an empty file for DVC's output
-        write_records([], root / ON_POLICY_FILE)
+    elif distributed.is_main_process():  # a seed-only domain, or no warm start or games: nothing played, an empty
+        write_records([], root / ON_POLICY_FILE)  # file for DVC's output
     if not distributed.is_main_process():
         return {}
     fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "

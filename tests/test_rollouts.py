@@ -186,6 +186,19 @@ def test_seeded_episodes_are_the_same_in_process_or_split_over_a_simulator_serve
     assert served.stats.requests == sum(len(e.actions) for e in apart)  # the server's environment stepped them all
 
 
+def test_batched_rollouts_draw_from_their_episodes_seeds(tiny):
+    """Batched, a turn is one draw for all episodes: from their seeds together, so the same episodes repeat and
+    other episodes (another process's share of a group, whose contexts are the same) do not copy them."""
+    model, tokenizer = tiny
+    settings = dict(max_turns=2, batched=True, max_action_tokens=5, temperature=1.0)
+
+    def played(seeds):
+        return [e.actions for e in rollout(model, tokenizer, SyntheticBatch(_synthetic(ScriptedBackend())),
+                                           [TASK, TASK], POLICY_FORMAT, seeds=seeds, **settings)]
+
+    assert played([1, 2]) == played([1, 2]) != played([3, 4])
+
+
 def test_rollout_ends_on_done_with_success_and_truncates_at_the_turn_limit(tiny):
     model, tokenizer = tiny
 

@@ -11,13 +11,14 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:  # torch and transformers load inside the functions that need 
     from components.llm.gguf_export import WeightType
 
 log = logging.getLogger(__name__)
+# torch's global random stream: one sampler at a time, whatever its thread (a stream forked, reseeded and put back
+# by one must not take the other's draws)
+TORCH_RANDOM = threading.RLock()
 
 Message = dict[str, str]
 Prompt = str | list[Message]  # a rendered prompt string, or chat messages to render with the chat template
@@ -87,7 +91,9 @@ class HFGenerationBackend:
             yield
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
-        with self._own_random_stream():
+        sampling = temperature > 0 or self._seed is not None
+        # a sampler in another thread (the policy, while this model serves a simulator) draws from the same stream
+        with TORCH_RANDOM if sampling else nullcontext(), self._own_random_stream():
             return self._generate(prompts, max_new_tokens, temperature)
 
     def _generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float) -> list[str]:

@@ -32,7 +32,7 @@ from components.envs.base import (
     StepResult,
     failed_reset,
 )
-from components.llm.backends import ConversationBackend, sampling_settings
+from components.llm.backends import TORCH_RANDOM, ConversationBackend, sampling_settings
 from components.rl.policy import SYSTEM, PolicyFormat, parse_action, state_message
 from components.simulator.synthetic import SyntheticEnvironment, record_trajectory
 
@@ -128,7 +128,7 @@ class RemoteSyntheticBatch:
         self.close()
         for task in tasks:  # one by one: close() then closes every one opened before a failure
             self.connections.append(connect(self.urls[task.environment].replace("http", "ws", 1) + "/ws",
-                                            max_size=2 ** 26, open_timeout=60))
+                                            max_size=2 ** 26, open_timeout=60, proxy=None))
         for connection, task in zip(self.connections, tasks, strict=True):
             connection.send(json.dumps({"type": "reset", "data": {"task": task.to_dict()}}))
         return [Observation(self._receive(c, "observation")["observation"]["text"]) for c in self.connections]
@@ -278,7 +278,7 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     Without `conversations`: one left-padded batch, every context encoded whole. With one `ConversationBackend` per
     context: one context at a time, each encoding only what its cache has not seen (the same tokens reach the model),
     and, with `seeds`, each sampled from its own seed: a reply then depends on its context and seed alone, not on
-    which other contexts (or process) shared the call."""
+    which other contexts (or process) shared the call. Batched, `seeds` seed the batch's one draw together."""
     import torch
 
     eos = tokenizer.eos_token_id
@@ -295,7 +295,9 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     width = max(len(c) for c in contexts)
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
-    with torch.inference_mode():
+    # one batch, one draw: from the batch's seeds together (processes playing other episodes draw other numbers)
+    with _seeded(hash(tuple(seeds)) & 0xFFFF_FFFF_FFFF if seeds is not None else None, model.device), \
+            torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
                                 max_new_tokens=max_new_tokens, **keywords, **sampling_settings(temperature))
     replies = [_reply(output, width, row, eos) for row in range(len(contexts))]
@@ -310,7 +312,8 @@ def _seeded(seed: int | None, device: Any) -> Iterator[None]:
         return
     import torch
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+    with TORCH_RANDOM, torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                              device_type=device.type):
         torch.manual_seed(seed)
         yield
 
