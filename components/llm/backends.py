@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 # by one must not take the other's draws)
 TORCH_RANDOM = threading.RLock()
 
+@contextmanager
+def random_stream(seed: int | None, device: Any) -> Iterator[None]:
+    """Sampling on `device` inside the block draws from `seed`, holding torch's global stream (TORCH_RANDOM), which
+    comes back as it was; None: the global stream as it goes."""
+    if seed is None:
+        yield
+        return
+    import torch
+
+    with TORCH_RANDOM, torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                              device_type=device.type):
+        torch.manual_seed(seed)
+        yield
+
+
 Message = dict[str, str]
 Prompt = str | list[Message]  # a rendered prompt string, or chat messages to render with the chat template
 
@@ -77,23 +92,12 @@ class HFGenerationBackend:
         process's torch RNG (an agent's, in the same process) is neither reset nor advanced."""
         self._seed, self._calls = seed, 0
 
-    @contextmanager
-    def _own_random_stream(self) -> Iterator[None]:
-        if self._seed is None:  # never reseeded: sample from the process's stream, as generate always does
-            yield
-            return
-        import torch
-
-        devices = [self.model.device] if self.model.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # the process's state comes back afterwards
-            torch.manual_seed(self._seed * 1_000_003 + self._calls)
-            self._calls += 1
-            yield
-
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
-        sampling = temperature > 0 or self._seed is not None
+        seed = None  # never reseeded: sample from the process's stream, as generate always does
+        if self._seed is not None:
+            seed, self._calls = self._seed * 1_000_003 + self._calls, self._calls + 1
         # a sampler in another thread (the policy, while this model serves a simulator) draws from the same stream
-        with TORCH_RANDOM if sampling else nullcontext(), self._own_random_stream():
+        with TORCH_RANDOM if temperature > 0 else nullcontext(), random_stream(seed, self.model.device):
             return self._generate(prompts, max_new_tokens, temperature)
 
     def _generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float) -> list[str]:

@@ -18,10 +18,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from components.data.contract import Step, Task, Trajectory
 from components.envs.base import (
@@ -32,7 +31,7 @@ from components.envs.base import (
     StepResult,
     failed_reset,
 )
-from components.llm.backends import TORCH_RANDOM, ConversationBackend, sampling_settings
+from components.llm.backends import ConversationBackend, random_stream, sampling_settings
 from components.rl.policy import SYSTEM, PolicyFormat, parse_action, state_message
 from components.simulator.synthetic import SyntheticEnvironment, record_trajectory
 
@@ -288,7 +287,7 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         seeds = seeds if seeds is not None else [None] * len(contexts)
         replies = []
         for conversation, context, seed in zip(conversations, contexts, seeds, strict=True):
-            with _seeded(seed, model.device):
+            with random_stream(seed, model.device):
                 output = conversation.extend(context, max_new_tokens, temperature, **keywords)
             replies.append(_reply(output, len(context), 0, eos))
         return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
@@ -296,26 +295,12 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
     # one batch, one draw: from the batch's seeds together (processes playing other episodes draw other numbers)
-    with _seeded(hash(tuple(seeds)) & 0xFFFF_FFFF_FFFF if seeds is not None else None, model.device), \
+    with random_stream(hash(tuple(seeds)) & 0xFFFF_FFFF_FFFF if seeds is not None else None, model.device), \
             torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
                                 max_new_tokens=max_new_tokens, **keywords, **sampling_settings(temperature))
     replies = [_reply(output, width, row, eos) for row in range(len(contexts))]
     return [tokens for tokens, _ in replies], [logprobs for _, logprobs in replies]
-
-
-@contextmanager
-def _seeded(seed: int | None, device: Any) -> Iterator[None]:
-    """Sampling inside the block draws from `seed` (None: the global stream); the global stream is left as it was."""
-    if seed is None:
-        yield
-        return
-    import torch
-
-    with TORCH_RANDOM, torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                              device_type=device.type):
-        torch.manual_seed(seed)
-        yield
 
 
 def _reply(output, width: int, row: int, eos: int) -> tuple[list[int], list[float]]:
