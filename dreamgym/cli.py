@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from components import distributed
-from components.config import ParamsError, load_params
+from components.config import ParamsError, active_profile, load_params
 from components.simulator.experience_model import ExperienceModelFailure
 from stages.common import RANK_AWARE_STAGES, RENAMED, STAGES, StageError
 
@@ -61,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     artifacts.add_argument("--keep", type=int, default=5,
                            help="prune: runs to keep, newest first (default: %(default)s)")
     artifacts.add_argument("--dry-run", action="store_true", help="prune: say what would be deleted, delete nothing")
-    study_command = commands.add_parser("study", help="the results study: `report` remakes its report from the runs "
-                                        "kept in study.results_dir (runs copied in from other checkouts), running none")
-    study_command.add_argument("action", choices=["report"])
+    study_command = commands.add_parser("study", help="the results study (params.yaml `study`): `run [ROW...]` runs "
+                                        "its rows not finished yet, or only those named; `report` remakes its report "
+                                        "from the runs kept in study.results_dir (runs copied in from other "
+                                        "checkouts), running none")
+    study_command.add_argument("action", choices=["run", "report"])
+    study_command.add_argument("rows", nargs="*", help="run: rows named <environment>/<variant>-seed<k>, as the "
+                               "report's planned runs list them (default: every row)")
     coverage = commands.add_parser("coverage", help="per task of an environment: reset, interactive elements the "
                                    "state shows, expert or random success; writes reports/<env>_coverage.md")
     coverage.add_argument("environment", choices=["miniwob"])
@@ -144,7 +148,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "artifacts":
         return _artifacts(args, params)
     if args.command == "study":
-        return _study_report(params)
+        return _study(args, params)
     if args.command == "coverage":
         return _coverage(args, params)
     if args.command == "simulator":
@@ -314,17 +318,29 @@ def _artifacts(args: argparse.Namespace, params) -> int:
     return EXIT_OK
 
 
-def _study_report(params) -> int:
+def _study(args: argparse.Namespace, params) -> int:
     from components.results import study
+    from stages import sim_to_real
 
-    results_dir = Path(params.study.results_dir)
+    results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
     try:
-        metrics, _ = study.write_report(results_dir, params.evaluate.confidence, tuple(params.study.algorithms))
+        planned = study.plan(params, sim_to_real.iteration_cost(params))
+        study.select_rows(planned, args.rows)
+        if args.action == "run":
+            if args.set or args.params != "params.yaml":
+                raise ParamsError("the study's runs are DVC stages, which read params.yaml: edit it instead of "
+                                  "--set/--params")
+            from flows.study import results_study_flow
+            return _run(lambda: results_study_flow(rows=args.rows))
+        if args.rows:
+            raise ParamsError("`study report` takes no rows: it reports every kept run")
+        metrics, _ = study.write_report(results_dir, params.evaluate.confidence, algorithms, planned=planned,
+                                        profile=active_profile(args.params))
     except ParamsError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNUSABLE
-    print(f"{results_dir / 'README.md'}: {len(study.finished_runs(results_dir, tuple(params.study.algorithms)))} "
-          f"runs, {len(metrics)} methods; also reports/results_study.md and metrics/results_study.json")
+    print(f"{results_dir / 'README.md'}: {len(study.finished_runs(results_dir, algorithms))} runs, {len(metrics)} "
+          "methods; also reports/results_study.md and metrics/results_study.json")
     return EXIT_OK
 
 

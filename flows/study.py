@@ -22,11 +22,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from components.config import ParamsError, active_profile, load_params
+from components.config import active_profile, load_params
 from components.results import study
 from components.results.workspace import make_workspace, working_state
 from flows import deployments
-from flows.pipeline import PARAMS, run_logged
+from flows.pipeline import PARAMS, onboard_collected_seed, reproduce, run_logged
 from stages import sim_to_real
 from stages.common import StageError
 from stages.correction_rounds import round_path
@@ -128,8 +128,9 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
 
 
 @task
-def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) -> dict:
-    metrics, text = study.write_report(results_dir, confidence, algorithms)
+def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...], planned: list[study.PlannedRun],
+           profile: str) -> dict:
+    metrics, text = study.write_report(results_dir, confidence, algorithms, planned=planned, profile=profile)
     create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
     get_run_logger().info("results study: %s (metrics/results_study.json, artifact results-study)",
                           results_dir / "README.md")
@@ -137,8 +138,9 @@ def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...]) ->
 
 
 @flow(name="results_study")
-def results_study_flow() -> dict:
-    """Every variant x seed of params.yaml's `study` section not run yet, then the table and plot.
+def results_study_flow(rows: list[str] | None = None) -> dict:
+    """Every run of params.yaml's `study` not run yet (or only the `rows` named `<environment>/<variant>-seed<k>`),
+    then the table and plot.
 
     A run that fails does not stop the others (a study is hours of runs): the table is made from those that
     finished, and the flow fails at the end naming the failed runs, which a rerun tries again.
@@ -149,6 +151,13 @@ def results_study_flow() -> dict:
     params, profile = load_params(PARAMS), active_profile(PARAMS)
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
+    planned = study.plan(params, sim_to_real.iteration_cost(params))
+    chosen = study.select_rows(planned, rows or ())
+    if not (Path(params.data.dir) / "trajectories.jsonl").is_file():  # a fresh clone: data.dvc's data is not here
+        get_run_logger().info("no seed data in %s/: collecting and onboarding the default seed set first, as the "
+                              "pipeline flow does", params.data.dir)
+        reproduce("collect_seed")
+        onboard_collected_seed()
     failed, submitted = [], []
     if settings.on_work_pool:
         deployments.deploy_study_row(Path.cwd(), params)
@@ -159,35 +168,25 @@ def results_study_flow() -> dict:
         commit = head_commit()
         state = working_state(".")
     # one experience model and one policy per environment: each run trains on one, its folder under the environment's
-    runs = [(environment, seed, variant) for environment in settings.environments for seed in settings.seeds
-            for variant in study.select_variants(tuple(settings.algorithms), settings.variants)]
-    for environment, seed, variant in runs:
-        name = f"{environment}/{variant.name}-seed{seed}"
-        run_dir = results_dir / name
-        if variant.target == "correction_rounds" and not params.correction.rounds:
-            get_run_logger().warning("%s: not run, correction.rounds is 0", name)
+    for row in chosen:
+        run_dir = results_dir / row.name
+        if row.why_not:  # a row params switch off is no failure; one this budget cannot pay for is
+            get_run_logger().warning("%s: not run: %s", row.name, row.why_not)
+            failed += [] if row.switched_off else [f"{row.name} (not run: {row.why_not})"]
             continue
-        try:
-            overrides = study.run_overrides(variant, seed, settings.real_budget, settings.s2r_share,
-                                            params.correction.rounds, sim_to_real.iteration_cost(params),
-                                            environment, params.policy.max_turns)
-        except ParamsError as error:  # a row this budget cannot pay for: the others still run
-            get_run_logger().warning("%s: not run: %s", name, error)
-            failed.append(f"{name} (not run: {error})")
+        if study.is_finished(run_dir, profile, row.overrides):
             continue
-        if study.is_finished(run_dir, profile, overrides):
-            continue
-        evaluated_in = round_path(params) if variant.target == "correction_rounds" else None
+        target = row.variant.target
+        evaluated_in = round_path(params) if target == "correction_rounds" else None
         if settings.on_work_pool:
-            submitted.append((name, run_dir, submit_row(name, overrides, variant.target, evaluated_in, commit, state,
-                                                        profile)))
-        elif not run_variant(name, overrides, run_dir, variant.target, evaluated_in,
-                             return_state=True).is_completed():
-            failed.append(name)
+            submitted.append((row.name, run_dir, submit_row(row.name, row.overrides, target, evaluated_in, commit,
+                                                            state, profile)))
+        elif not run_variant(row.name, row.overrides, run_dir, target, evaluated_in, return_state=True).is_completed():
+            failed.append(row.name)
     for name, run_dir, flow_run_id in submitted:  # in the order submitted; the workers run them at once
         if not keep_row(name, flow_run_id, run_dir, return_state=True).is_completed():
             failed.append(name)
-    metrics = report(results_dir, confidence, tuple(settings.algorithms))
+    metrics = report(results_dir, confidence, tuple(settings.algorithms), planned, profile)
     if failed:
         raise StageError(f"results study: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are above; "
                            "a rerun of the flow runs them again and skips the finished ones)")

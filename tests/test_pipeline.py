@@ -433,11 +433,13 @@ def test_the_work_pools_workers_run_study_rows_at_once(onboarded, monkeypatch, p
 
 def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypatch, prefect_server):
     """Each run fails here (`dvc exp run` needs a commit and the project has none): the flow still runs the next
-    one, writes the (empty) report, keeps params.yaml, and fails at the end naming both runs."""
+    one, writes the (empty) report, keeps params.yaml, and fails at the end naming both runs. The project has no
+    seed data yet (a fresh clone): the study collects and onboards it first, as the pipeline does."""
     from flows.study import results_study_flow
     from stages.common import StageError
 
-    set_params(project, {"study.algorithms": ["grpo"], "study.variants": ["dreamgym-grpo", "no-curriculum"]})
+    set_params(project, {**SMALL_RUN, "collect_seed.train_tasks": 1, "study.algorithms": ["grpo"],
+                         "study.variants": ["dreamgym-grpo", "no-curriculum"]})
     params_before = (project / "params.yaml").read_text()
     # an earlier study was killed mid-run: params.yaml still holds that run's overrides, its backup the user's file
     (project / ".dvc" / "tmp").mkdir(parents=True, exist_ok=True)
@@ -449,7 +451,11 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
                                          "textworld-cooking/no-curriculum-seed0"):
         results_study_flow()
 
-    assert "from 0 finished runs" in (project / "reports" / "results_study" / "README.md").read_text()
+    readme = (project / "reports" / "results_study" / "README.md").read_text()
+    assert "from 0 finished runs" in readme and "0 of 2 planned runs finished; 2 to run" in readme
+    assert "| textworld-cooking/no-curriculum-seed0 | not run yet | not measured yet | `dreamgym study run " \
+           "textworld-cooking/no-curriculum-seed0` |" in readme
+    assert [t.source for t in read_trajectories(project / "data" / "trajectories.jsonl")] == ["expert", "random"]
     assert (project / "params.yaml").read_text() == params_before  # the killed run's overrides are gone
     assert not (project / ".dvc" / "tmp" / "study-params.yaml").exists()
 

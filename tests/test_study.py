@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import ParamsError
+from components.config import ParamsError, load_params
 from components.results.evaluation import wilson_interval
 from components.results.study import (
     aggregate,
@@ -17,14 +17,17 @@ from components.results.study import (
     is_finished,
     keep_run,
     paired_games,
+    plan,
     report,
     run_overrides,
+    select_rows,
     select_variants,
     sign_test,
     success_plot,
     variants,
 )
 from dreamgym.cli import main
+from tests.conftest import REPO
 
 
 def _evaluation(successes: int, episodes: int) -> dict:
@@ -85,6 +88,74 @@ def test_a_correction_run_spends_dreamgym_s2rs_budget_on_sim_to_real_after_its_l
         run_overrides(correction, 0, 336, 0.1, correction_rounds=0)
     with pytest.raises(ParamsError, match="33 pays for no sim-to-real iteration .*34.*raise study.real_budget"):
         run_overrides(correction, 0, 336, 0.1, correction_rounds=3, sim_to_real_iteration=34)
+
+
+def _cpu_study(**study):
+    """The cpu profile's params, with `study` settings changed (plan() reads params, it runs nothing)."""
+    import yaml
+
+    profile = yaml.safe_load((REPO / "profiles" / "cpu.yaml").read_text())
+    return load_params(REPO / "params.yaml", {**profile, **{f"study.{k}": v for k, v in study.items()}})
+
+
+def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
+    planned = plan(_cpu_study(seeds=[0, 1], environments=["textworld-cooking", "miniwob"]), sim_to_real_iteration=28)
+
+    assert [row.name for row in planned[:3]] == ["textworld-cooking/dreamgym-grpo-seed0",
+                                                 "textworld-cooking/real-grpo-seed0",
+                                                 "textworld-cooking/dreamgym-ppo-seed0"]
+    assert len(planned) == 2 * 2 * 8 and planned[-1].name == "miniwob/s2r-correction-seed1"
+    real = planned[1]
+    assert real.overrides == run_overrides(real.variant, 0, 336, 0.1, environment="textworld-cooking")
+    # the cpu profile's budget: 33 real transitions pay for one 28-transition sim-to-real iteration and leave one
+    # replayed transition a round, less than an episode: the row cannot run, and the plan says why
+    correction = planned[7]
+    assert correction.overrides is None and not correction.switched_off
+    assert "leaves 1 replayed transition(s) a round" in correction.why_not
+    # correction.rounds 0 switches the row off: no failure
+    [off] = [row for row in plan(load_params(REPO / "params.yaml"), 16) if row.variant.name == "s2r-correction"]
+    assert off.switched_off and off.why_not == "correction.rounds is 0"
+
+    assert select_rows(planned, ["miniwob/no-retrieval-seed1"]) == [planned[-3]]
+    assert select_rows(planned) == planned
+    with pytest.raises(ParamsError, match=r"no such row of this study: miniwob/no-retrieval-seed7\. params.yaml "
+                                          r"`study` plans textworld-cooking/dreamgym-grpo-seed0, "):
+        select_rows(planned, ["miniwob/no-retrieval-seed7"])
+
+
+def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_command(tmp_path):
+    tw = "textworld-cooking"
+    results = tmp_path / "results"
+    _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)}})
+    (results / tw / "dreamgym-grpo-seed0" / "run.json").write_text(json.dumps({"seconds": 5400.0, "profile": "cpu"}))
+    planned = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "real-grpo", "s2r-correction"],
+                              environments=[tw, "miniwob"]), 28)
+
+    _, text = report(results, 0.95, ("grpo", "ppo"), planned, "cpu")
+
+    assert "1 of 12 planned runs finished; 7 to run, about 1.5 h by the finished runs of their variants (6 of a " \
+           "variant with no finished run on its environment yet)" in text
+    assert f"| {tw}/dreamgym-grpo-seed0 | finished | 90 |  |" in text
+    assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 90 (mean of 1) | `dreamgym study run " \
+           f"{tw}/dreamgym-grpo-seed1` |" in text
+    assert f"| {tw}/real-grpo-seed0 | not run yet | not measured yet | `dreamgym study run {tw}/real-grpo-seed0` |" \
+        in text
+    # a run's cost is measured on its own environment: MiniWoB's DreamGym run is not TextWorld's
+    assert "| miniwob/dreamgym-grpo-seed0 | not run yet | not measured yet |" in text
+    assert f"| {tw}/s2r-correction-seed1 | cannot run: s2r-correction: DreamGym-S2R's real budget of 33 leaves 1 " \
+           "replayed transition(s)" in text
+    assert "## Planned runs" not in report(results, 0.95, ("grpo", "ppo"))[1]  # no plan given: no section
+    # runs of another profile are another study's (a first edition's): these params do not plan them
+    assert "## Planned runs" not in report(results, 0.95, ("grpo", "ppo"), planned, "quick")[1]
+
+
+def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does(capsys):
+    assert main(["--params", str(REPO / "params.yaml"), "study", "run", "textworld-cooking/dreamgym-grpo-seed9"]) == 2
+    error = capsys.readouterr().err
+    assert "error: no such row of this study: textworld-cooking/dreamgym-grpo-seed9" in error
+    assert "plans textworld-cooking/dreamgym-grpo-seed0, textworld-cooking/real-grpo-seed0" in error
+    assert main(["study", "report", "textworld-cooking/dreamgym-grpo-seed0"]) == 2
+    assert "`study report` takes no rows" in capsys.readouterr().err
 
 
 def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_transitions(tmp_path):

@@ -139,6 +139,59 @@ def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[s
     return [v for v in every if not names or v.name in names]
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run the study's params ask for, `<environment>/<variant>-seed<k>`: the params it sets, or why it cannot
+    run (`switched_off`: params turn the row off, as correction.rounds 0 does; otherwise its budget cannot pay)."""
+    environment: str
+    seed: int
+    variant: Variant
+    overrides: dict[str, Any] | None
+    why_not: str | None = None
+    switched_off: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.environment}/{self.variant.name}-seed{self.seed}"
+
+    def kept_as(self, run: Run) -> bool:
+        """Whether `run` is this one: kept under its name, or (before runs were per environment) as
+        `<variant>-seed<k>`."""
+        return run.name in (self.name, f"{self.variant.name}-seed{self.seed}")
+
+
+def plan(params: Any, sim_to_real_iteration: int) -> list[PlannedRun]:
+    """Every run params.yaml's `study` asks for, in the order it runs them: per environment, per seed, each variant
+    (`select_variants`) with its `run_overrides` (`sim_to_real_iteration`: the real transitions one sim-to-real
+    iteration may spend, stages.sim_to_real.iteration_cost)."""
+    settings, correction_rounds, max_turns = params.study, params.correction.rounds, params.policy.max_turns
+    planned = []
+    for environment in settings.environments:
+        for seed in settings.seeds:
+            for variant in select_variants(tuple(settings.algorithms), settings.variants):
+                if variant.target == "correction_rounds" and not correction_rounds:
+                    planned.append(PlannedRun(environment, seed, variant, None, "correction.rounds is 0", True))
+                    continue
+                try:
+                    overrides = run_overrides(variant, seed, settings.real_budget, settings.s2r_share,
+                                              correction_rounds, sim_to_real_iteration, environment, max_turns)
+                except ParamsError as error:  # a row this budget cannot pay for
+                    planned.append(PlannedRun(environment, seed, variant, None, str(error)))
+                    continue
+                planned.append(PlannedRun(environment, seed, variant, overrides))
+    return planned
+
+
+def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = ()) -> list[PlannedRun]:
+    """The planned runs named `<environment>/<variant>-seed<k>` (all of them when none is named); ParamsError
+    naming the planned ones for a name the study does not plan."""
+    unknown = sorted(set(names) - {row.name for row in planned})
+    if unknown:
+        raise ParamsError(f"no such row of this study: {', '.join(unknown)}. params.yaml `study` plans "
+                          f"{', '.join(row.name for row in planned) or 'none'}")
+    return [row for row in planned if not names or row.name in names]
+
+
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
              evaluated_in: str | Path | None = None) -> Path:
     """Keep a finished run's files (`run_files`) and its record in `run_dir`, whole or not at all (a rerun replaces
@@ -492,6 +545,42 @@ def runs_table(runs: list[Run]) -> str:
                            "real transitions"], rows)
 
 
+STUDY_RUN_COMMAND = "dreamgym study run"  # runs named rows of params.yaml's study (dreamgym/cli.py)
+
+
+def plan_table(planned: list[PlannedRun], runs: list[Run]) -> str:
+    """Every run the study plans: finished (its wall time), or not (why, or what it would cost by the finished runs
+    of its variant on its environment, and the command that runs it alone); a line on the total left."""
+    minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> wall minutes of its finished runs
+    for run in runs:
+        if "seconds" in run.record:
+            minutes.setdefault(run.name.rpartition("-seed")[0], []).append(run.record["seconds"] / 60)
+    rows, left, unmeasured = [], 0.0, 0
+    for row in planned:
+        kept = next((run for run in runs if row.kept_as(run)), None)
+        if kept is not None:
+            wall = kept.record.get("seconds")
+            rows.append([row.name, "finished", f"{wall / 60:.0f}" if wall is not None else "?", ""])
+        elif row.why_not:
+            rows.append([row.name, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}", "", ""])
+        else:
+            measured = minutes.get(f"{row.environment}/{row.variant.name}")
+            if measured:
+                left += _mean(measured)
+            unmeasured += not measured
+            cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
+            rows.append([row.name, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`"])
+    finished = sum(1 for row in planned if any(row.kept_as(run) for run in runs))
+    waiting = sum(1 for row in planned if not row.why_not) - finished
+    total = (f"{finished} of {len(planned)} planned runs finished; {waiting} to run"
+             + (f", about {left / 60:.1f} h by the finished runs of their variants" if left else "")
+             + (f" ({unmeasured} of a variant with no finished run on its environment yet)" if unmeasured else "")
+             + ". A run's wall time is what it took where it ran: one that DVC restored earlier stages for takes "
+               "less than one that trains its experience model and warm start. Each command runs that row alone; "
+               f"`{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
+    return total + markdown_table(["row", "status", "wall time (min)", "command"], rows)
+
+
 def _confirmed_wins(run: Run) -> str:
     """Of the episodes synthetic RL won inside the experience model, how many win when their actions are replayed in
     the real environment (evaluate_policies' replay audit): how far the simulator's rewards can be trusted."""
@@ -538,15 +627,18 @@ def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:
     return save_figure(figure, path)
 
 
-def report(results_dir: str | Path, confidence: float = 0.95,
-           algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> tuple[dict[str, Any], str]:
-    """The study's metrics and markdown report, with its plots written into `results_dir`."""
+def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
+           planned: list[PlannedRun] | None = None, profile: str = "custom") -> tuple[dict[str, Any], str]:
+    """The study's metrics and markdown report, with its plots written into `results_dir`; with `planned` (`plan` of
+    params.yaml at `profile`), a section on every planned run, finished or not, unless the kept runs were made at
+    another profile (another study's, such as a first edition's, which these params do not plan)."""
     results_dir = Path(results_dir)
     runs = finished_runs(results_dir, algorithm_names)
     profiles = {run.name: run.record.get("profile", "custom") for run in runs}
     if len(set(profiles.values()) - {"custom"}) > 1:
         raise ParamsError(f"{results_dir}: its runs were made at different profiles ({profiles}), and a report pools "
                           "them. Keep each profile's runs in its own folder (its study.results_dir).")
+    others = set(profiles.values()) - {"custom", profile}  # the plan is params.yaml's: runs of another are not its
     metrics, table = aggregate(runs, confidence)
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
@@ -560,16 +652,18 @@ def report(results_dir: str | Path, confidence: float = 0.95,
             + f"\n## The paper's claims at this scale\n\n{CLAIMS_NOTE.format(alpha=1 - confidence)}\n\n"
             + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
             + f"\n## Runs\n\n{runs_table(runs)}"
-            + (f"\n![learning curves]({curves.name})\n" if curves else ""))
+            + (f"\n![learning curves]({curves.name})\n" if curves else "")
+            + (f"\n## Planned runs\n\n{plan_table(planned, runs)}" if planned and not others else ""))
     return metrics, text
 
 
 def write_report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
-                 root: str | Path = ".") -> tuple[dict[str, Any], str]:
+                 root: str | Path = ".", planned: list[PlannedRun] | None = None, profile: str = "custom"
+                 ) -> tuple[dict[str, Any], str]:
     """`report`, written: README.md in `results_dir`, and the results_study stage outputs in `root` (metrics JSON and
     CSV, reports/results_study.md with its plots beside it)."""
     results_dir = Path(results_dir)
-    metrics, text = report(results_dir, confidence, algorithm_names)
+    metrics, text = report(results_dir, confidence, algorithm_names, planned, profile)
     results_dir.mkdir(parents=True, exist_ok=True)  # no run may have finished yet
     (results_dir / "README.md").write_text(text, encoding="utf-8")
     write_stage_outputs("results_study", metrics, text, root)
