@@ -106,10 +106,13 @@ def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
                                                  "textworld-cooking/dreamgym-ppo-seed0"]
     assert len(planned) == 2 * 2 * 8 and planned[-1].name == "miniwob/s2r-correction-seed1"
     real = planned[1]
-    assert real.overrides == run_overrides(real.variant, 0, 336, 0.1, environment="textworld-cooking")
-    # the cpu profile's budget: 33 real transitions pay for one 28-transition sim-to-real iteration and leave one
-    # replayed transition a round, less than an episode: the row cannot run, and the plan says why
-    correction = planned[7]
+    assert real.overrides == run_overrides(real.variant, 0, 700, 0.1, environment="textworld-cooking")
+    # the cpu profile's budget pays for the correction row: 70 = one sim-to-real iteration (28) + 3 rounds x 14
+    assert (planned[7].overrides["correction.real_transitions"], planned[7].overrides["correction.replay_transitions"]
+            ) == (28, 14)
+    # at 336, 33 real transitions leave one replayed transition a round, less than an episode: the row cannot run,
+    # and the plan says why
+    correction = plan(_cpu_study(real_budget=336), sim_to_real_iteration=28)[7]
     assert correction.overrides is None and not correction.switched_off
     assert "leaves 1 replayed transition(s) a round" in correction.why_not
     # correction.rounds 0 switches the row off: no failure
@@ -129,7 +132,7 @@ def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_comman
     _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)}})
     (results / tw / "dreamgym-grpo-seed0" / "run.json").write_text(json.dumps({"seconds": 5400.0, "profile": "cpu"}))
     planned = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "real-grpo", "s2r-correction"],
-                              environments=[tw, "miniwob"]), 28)
+                              environments=[tw, "miniwob"], real_budget=336), 28)
 
     _, text = report(results, 0.95, ("grpo", "ppo"), planned, "cpu")
 
