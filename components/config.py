@@ -484,6 +484,18 @@ def active_profile(params_path: str | Path = "params.yaml", profiles_dir: str | 
     return "custom"
 
 
+def profile_values(profile: str | Path) -> dict[str, Any]:
+    """A profile's dotted keys and values: profiles/NAME.yaml, or any path."""
+    path = Path(profile) if Path(profile).suffix in (".yaml", ".yml") else Path("profiles") / f"{profile}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in Path("profiles").glob("*.yaml"))) or "none"
+        raise ParamsError(f"profile {profile!r}: no file {path} (profiles here: {known})")
+    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(values, dict):
+        raise ParamsError(f"{path}: expected a mapping of dotted keys to values")
+    return values
+
+
 def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") -> dict[str, Any]:
     """Write a profile's values into params.yaml, keeping its comments and order; return what changed.
 
@@ -492,13 +504,7 @@ def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") ->
     """
     from ruamel.yaml import YAML
 
-    path = Path(profile) if Path(profile).suffix in (".yaml", ".yml") else Path("profiles") / f"{profile}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in Path("profiles").glob("*.yaml"))) or "none"
-        raise ParamsError(f"profile {profile!r}: no file {path} (profiles here: {known})")
-    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    if not isinstance(values, dict):
-        raise ParamsError(f"{path}: expected a mapping of dotted keys to values")
+    values = profile_values(profile)
     params_path = Path(params_path)
     current = load_params(params_path).model_dump()
     load_params(params_path, values)  # validates the result (ParamsError names the key)

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from components import distributed
-from components.config import ParamsError, active_profile, load_params
+from components.config import ParamsError, active_profile, load_params, profile_values
 from components.simulator.experience_model import ExperienceModelFailure
 from stages.common import RANK_AWARE_STAGES, RENAMED, STAGES, StageError
 
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     study_command.add_argument("action", choices=["run", "report"])
     study_command.add_argument("rows", nargs="*", help="run: rows named <environment>/<variant>-seed<k>, as the "
                                "report's planned runs list them (default: every row)")
+    study_command.add_argument("--profile", help="report: the study of params.yaml with this profile's values (quick, "
+                               "cpu, gpu or a path), as `params use` would set them, without changing params.yaml")
     coverage = commands.add_parser("coverage", help="per task of an environment: reset, interactive elements the "
                                    "state shows, expert or random success; writes reports/<env>_coverage.md")
     coverage.add_argument("environment", choices=["miniwob"])
@@ -322,8 +324,14 @@ def _study(args: argparse.Namespace, params) -> int:
     from components.results import study
     from stages import sim_to_real
 
-    results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
     try:
+        profile = active_profile(args.params)
+        if args.profile:
+            if args.action == "run":
+                raise ParamsError("`study run` runs the study params.yaml holds: `dreamgym params use PROFILE` first")
+            params, profile = load_params(args.params, {**profile_values(args.profile), **_overrides(args.set)}), \
+                Path(args.profile).stem
+        results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
         planned = study.plan(params, sim_to_real.iteration_cost(params))
         study.select_rows(planned, args.rows)
         if args.action == "run":
@@ -335,7 +343,7 @@ def _study(args: argparse.Namespace, params) -> int:
         if args.rows:
             raise ParamsError("`study report` takes no rows: it reports every kept run")
         metrics, _ = study.write_report(results_dir, params.evaluate.confidence, algorithms, planned=planned,
-                                        profile=active_profile(args.params))
+                                        profile=profile)
     except ParamsError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNUSABLE

@@ -161,6 +161,23 @@ def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does
     assert "`study report` takes no rows" in capsys.readouterr().err
 
 
+def test_a_profiles_study_is_reported_without_switching_params_yaml_to_it(tmp_path, monkeypatch, capsys):
+    """`dreamgym study report --profile cpu` in a checkout at the quick profile: the cpu study's folder, its plan
+    (2 environments x 3 seeds x 8 variants), params.yaml untouched."""
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["study", "report", "--profile", "cpu"]) == 0
+
+    readme = Path("reports/results_study/cpu/README.md").read_text()
+    assert "0 of 48 planned runs finished; 48 to run (48 of a variant with no finished run on its environment yet)" \
+        in readme and "| miniwob/s2r-correction-seed2 | not run yet |" in readme
+    assert Path("params.yaml").read_text() == (REPO / "params.yaml").read_text()
+    assert main(["study", "run", "--profile", "cpu"]) == 2
+    assert "`study run` runs the study params.yaml holds" in capsys.readouterr().err
+
+
 def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_transitions(tmp_path):
     tw = "textworld-cooking"
     last_round = tmp_path / "models" / "correction" / "rounds" / "round_3"
