@@ -137,9 +137,8 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "flow":
         from flows import pipeline
 
-        if args.set or args.params != "params.yaml":
-            print("error: flows run the DVC stages, which read params.yaml: edit it (or use `dvc exp run -S`) "
-                  "instead of --set/--params", file=sys.stderr)
+        if message := _reads_params_yaml(args):
+            print(f"error: {message}", file=sys.stderr)
             return EXIT_UNUSABLE
         if args.name == "results_study":
             from flows.study import results_study_flow
@@ -320,6 +319,14 @@ def _artifacts(args: argparse.Namespace, params) -> int:
     return EXIT_OK
 
 
+def _reads_params_yaml(args: argparse.Namespace) -> str | None:
+    """Why a flow cannot run with --set/--params (its DVC stages read params.yaml), or None."""
+    if args.set or args.params != "params.yaml":
+        return ("flows run the DVC stages, which read params.yaml: edit it (or use `dvc exp run -S`) instead of "
+                "--set/--params")
+    return None
+
+
 def _study(args: argparse.Namespace, params) -> int:
     from components.results import study
     from stages import sim_to_real
@@ -329,15 +336,14 @@ def _study(args: argparse.Namespace, params) -> int:
         if args.profile:
             if args.action == "run":
                 raise ParamsError("`study run` runs the study params.yaml holds: `dreamgym params use PROFILE` first")
-            params, profile = load_params(args.params, {**profile_values(args.profile), **_overrides(args.set)}), \
-                Path(args.profile).stem
+            params = load_params(args.params, {**profile_values(args.profile), **_overrides(args.set)})
+            profile = "custom" if Path(args.profile).suffix else args.profile  # as active_profile names a path's
         results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
         planned = study.plan(params, sim_to_real.iteration_cost(params))
-        study.select_rows(planned, args.rows)
+        study.select_rows(planned, args.rows, params.study.variants)
         if args.action == "run":
-            if args.set or args.params != "params.yaml":
-                raise ParamsError("the study's runs are DVC stages, which read params.yaml: edit it instead of "
-                                  "--set/--params")
+            if message := _reads_params_yaml(args):
+                raise ParamsError(message)
             from flows.study import results_study_flow
             return _run(lambda: results_study_flow(rows=args.rows))
         if args.rows:

@@ -23,6 +23,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from components.config import active_profile, load_params
+from components.data.contract import TRAJECTORIES
 from components.results import study
 from components.results.workspace import make_workspace, working_state
 from flows import deployments
@@ -127,6 +128,27 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
     study.keep_files(run_dir, run.state.result())
 
 
+def seed_data(data_dir: str) -> None:
+    """The seed data the runs train on, in a fresh clone too: data.dvc's data from the DVC cache, else the default
+    seed set collected and onboarded as the pipeline flow does (a warning if data.dvc then tracks other data)."""
+    trajectories = Path(data_dir) / TRAJECTORIES
+    if trajectories.is_file():
+        return
+    tracked = Path("data.dvc").read_text(encoding="utf-8") if Path("data.dvc").is_file() else None
+    if tracked is not None and subprocess.run(["dvc", "checkout", "--quiet", "data.dvc"], capture_output=True,
+                                              ).returncode == 0 and trajectories.is_file():
+        return
+    logger = get_run_logger()
+    logger.info("no seed data in %s/ and none in the DVC cache: collecting and onboarding the default seed set "
+                "first, as the pipeline flow does (`dvc pull data.dvc` fetches what data.dvc tracks instead)", data_dir)
+    reproduce("collect_seed")
+    onboard_collected_seed()
+    if tracked is not None and Path("data.dvc").read_text(encoding="utf-8") != tracked:
+        logger.warning("data.dvc now tracks the collected seed set, not the data it tracked before, which was neither "
+                       "here nor in the DVC cache: `git diff data.dvc` shows it; to study that data, `git checkout "
+                       "data.dvc && dvc pull data.dvc` and run the study again")
+
+
 @task
 def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...], planned: list[study.PlannedRun],
            profile: str) -> dict:
@@ -152,12 +174,8 @@ def results_study_flow(rows: list[str] | None = None) -> dict:
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)
     planned = study.plan(params, sim_to_real.iteration_cost(params))
-    chosen = study.select_rows(planned, rows or ())
-    if not (Path(params.data.dir) / "trajectories.jsonl").is_file():  # a fresh clone: data.dvc's data is not here
-        get_run_logger().info("no seed data in %s/: collecting and onboarding the default seed set first, as the "
-                              "pipeline flow does", params.data.dir)
-        reproduce("collect_seed")
-        onboard_collected_seed()
+    chosen = study.select_rows(planned, rows or (), settings.variants)
+    seed_data(params.data.dir)
     failed, submitted = [], []
     if settings.on_work_pool:
         deployments.deploy_study_row(Path.cwd(), params)

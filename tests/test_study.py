@@ -124,6 +124,8 @@ def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
     with pytest.raises(ParamsError, match=r"no such row of this study: miniwob/no-retrieval-seed7\. params.yaml "
                                           r"`study` plans textworld-cooking/dreamgym-grpo-seed0, "):
         select_rows(planned, ["miniwob/no-retrieval-seed7"])
+    with pytest.raises(ParamsError, match=r"study.variants \['real-grpo'\] limits it: set it to \[\]"):
+        select_rows(plan(_cpu_study(variants=["real-grpo"]), 28), ["miniwob/no-retrieval-seed0"], ["real-grpo"])
 
 
 def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_command(tmp_path):
@@ -131,25 +133,35 @@ def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_comman
     results = tmp_path / "results"
     _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)}})
     (results / tw / "dreamgym-grpo-seed0" / "run.json").write_text(json.dumps({"seconds": 5400.0, "profile": "cpu"}))
+    # kept at another budget: the study would refuse it, so it is no finished row of this plan
+    _run(results, "miniwob/dreamgym-grpo-seed0", {"sft_warm_start": {"miniwob": _evaluation(1, 4)}})
+    (results / "miniwob" / "dreamgym-grpo-seed0" / "run.json").write_text(json.dumps(
+        {"seconds": 60.0, "profile": "cpu", "params_set": {"sim_to_real.real_transitions": 70}}))
+    _run(results, "real-grpo-seed1", {"sim-to-real": {tw: _evaluation(1, 4)}})  # the older flat layout: no row
     planned = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "real-grpo", "s2r-correction"],
                               environments=[tw, "miniwob"], real_budget=336), 28)
 
     _, text = report(results, 0.95, ("grpo", "ppo"), planned, "cpu")
 
-    assert "1 of 12 planned runs finished; 7 to run, about 1.5 h by the finished runs of their variants (6 of a " \
+    assert "1 of 12 planned runs finished; 6 to run, about 1.5 h by the finished runs of their variants (5 of a " \
            "variant with no finished run on its environment yet)" in text
     assert f"| {tw}/dreamgym-grpo-seed0 | finished | 90 |  |" in text
     assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 90 (mean of 1) | `dreamgym study run " \
            f"{tw}/dreamgym-grpo-seed1` |" in text
     assert f"| {tw}/real-grpo-seed0 | not run yet | not measured yet | `dreamgym study run {tw}/real-grpo-seed0` |" \
         in text
+    assert "| miniwob/dreamgym-grpo-seed0 | kept with other params: " in text and "finished with " \
+        "sim_to_real.real_transitions=70, but this study sets sim_to_real.real_transitions=33" in text
     # a run's cost is measured on its own environment: MiniWoB's DreamGym run is not TextWorld's
-    assert "| miniwob/dreamgym-grpo-seed0 | not run yet | not measured yet |" in text
+    assert "| miniwob/dreamgym-grpo-seed1 | not run yet | not measured yet |" in text
+    assert f"| {tw}/real-grpo-seed1 | not run yet |" in text
     assert f"| {tw}/s2r-correction-seed1 | cannot run: s2r-correction: DreamGym-S2R's real budget of 33 leaves 1 " \
            "replayed transition(s)" in text
     assert "## Planned runs" not in report(results, 0.95, ("grpo", "ppo"))[1]  # no plan given: no section
     # runs of another profile are another study's (a first edition's): these params do not plan them
-    assert "## Planned runs" not in report(results, 0.95, ("grpo", "ppo"), planned, "quick")[1]
+    assert "Planned runs: not listed. These runs were made at profile cpu and the plan is params.yaml's, at profile " \
+        "quick." in report(results, 0.95, ("grpo", "ppo"), planned, "quick")[1]
+    assert "## Planned runs" in report(results, 0.95, ("grpo", "ppo"), planned, "custom")[1]  # as is_finished judges
 
 
 def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does(capsys):
@@ -419,6 +431,7 @@ def test_the_committed_cpu_study_report_is_what_its_kept_runs_make(tmp_path, mon
     repo = Path(__file__).resolve().parents[1]
     kept = Path("reports/results_study_cpu_first_edition")
     shutil.copytree(repo / kept, tmp_path / kept, ignore=shutil.ignore_patterns("*.png", "README.md"))
+    shutil.copytree(repo / "profiles", tmp_path / "profiles")  # params.yaml's profile (quick) is not the runs' (cpu)
     monkeypatch.chdir(tmp_path)
 
     assert main(["--params", str(repo / "params.yaml"), "--set", f"study.results_dir={kept}", "study", "report"]) == 0

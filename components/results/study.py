@@ -154,11 +154,6 @@ class PlannedRun:
     def name(self) -> str:
         return f"{self.environment}/{self.variant.name}-seed{self.seed}"
 
-    def kept_as(self, run: Run) -> bool:
-        """Whether `run` is this one: kept under its name, or (before runs were per environment) as
-        `<variant>-seed<k>`."""
-        return run.name in (self.name, f"{self.variant.name}-seed{self.seed}")
-
 
 def plan(params: Any, sim_to_real_iteration: int) -> list[PlannedRun]:
     """Every run params.yaml's `study` asks for, in the order it runs them: per environment, per seed, each variant
@@ -182,13 +177,17 @@ def plan(params: Any, sim_to_real_iteration: int) -> list[PlannedRun]:
     return planned
 
 
-def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = ()) -> list[PlannedRun]:
+def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = (),
+                variants_set: list[str] | tuple[str, ...] = ()) -> list[PlannedRun]:
     """The planned runs named `<environment>/<variant>-seed<k>` (all of them when none is named); ParamsError
-    naming the planned ones for a name the study does not plan."""
+    naming the planned ones for a name the study does not plan (and study.variants, `variants_set`, if it limits
+    the plan)."""
     unknown = sorted(set(names) - {row.name for row in planned})
     if unknown:
+        limit = (f" (study.variants {list(variants_set)} limits it: set it to [] to plan every variant)"
+                 if variants_set else "")
         raise ParamsError(f"no such row of this study: {', '.join(unknown)}. params.yaml `study` plans "
-                          f"{', '.join(row.name for row in planned) or 'none'}")
+                          f"{', '.join(row.name for row in planned) or 'none'}{limit}")
     return [row for row in planned if not names or row.name in names]
 
 
@@ -548,30 +547,39 @@ def runs_table(runs: list[Run]) -> str:
 STUDY_RUN_COMMAND = "dreamgym study run"  # runs named rows of params.yaml's study (dreamgym/cli.py)
 
 
-def plan_table(planned: list[PlannedRun], runs: list[Run]) -> str:
-    """Every run the study plans: finished (its wall time), or not (why, or what it would cost by the finished runs
-    of its variant on its environment, and the command that runs it alone); a line on the total left."""
-    minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> wall minutes of its finished runs
-    for run in runs:
-        if "seconds" in run.record:
-            minutes.setdefault(run.name.rpartition("-seed")[0], []).append(run.record["seconds"] / 60)
-    rows, left, unmeasured = [], 0.0, 0
+def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custom") -> str:
+    """Every run the study plans: finished (its wall time), kept with other params than the plan's (`is_finished`
+    refuses it), or not run (why, or what it would cost by the finished runs of its variant on its environment, and
+    the command that runs it alone); a line on the total left."""
+    kept = {run.name: run for run in runs}
+    status: dict[str, str] = {}  # row -> "finished" or why the run kept under its name is not this row's
     for row in planned:
-        kept = next((run for run in runs if row.kept_as(run)), None)
-        if kept is not None:
-            wall = kept.record.get("seconds")
-            rows.append([row.name, "finished", f"{wall / 60:.0f}" if wall is not None else "?", ""])
+        if row.name in kept and not row.why_not:
+            try:
+                is_finished(kept[row.name].path, profile, row.overrides)
+                status[row.name] = "finished"
+            except ParamsError as error:
+                status[row.name] = f"kept with other params: {error}"
+    minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> wall minutes of its finished rows
+    for row in planned:
+        if status.get(row.name) == "finished" and "seconds" in kept[row.name].record:
+            minutes.setdefault(row.name.rpartition("-seed")[0], []).append(kept[row.name].record["seconds"] / 60)
+    rows, left, waiting, unmeasured = [], 0.0, 0, 0
+    for row in planned:
+        if row.name in status:
+            wall = kept[row.name].record.get("seconds")
+            finished = status[row.name] == "finished"
+            rows.append([row.name, status[row.name], f"{wall / 60:.0f}" if finished and wall is not None else "", ""])
         elif row.why_not:
             rows.append([row.name, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}", "", ""])
         else:
-            measured = minutes.get(f"{row.environment}/{row.variant.name}")
-            if measured:
-                left += _mean(measured)
+            waiting += 1
+            measured = minutes.get(row.name.rpartition("-seed")[0])
+            left += _mean(measured) if measured else 0.0
             unmeasured += not measured
             cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
             rows.append([row.name, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`"])
-    finished = sum(1 for row in planned if any(row.kept_as(run) for run in runs))
-    waiting = sum(1 for row in planned if not row.why_not) - finished
+    finished = sum(value == "finished" for value in status.values())
     total = (f"{finished} of {len(planned)} planned runs finished; {waiting} to run"
              + (f", about {left / 60:.1f} h by the finished runs of their variants" if left else "")
              + (f" ({unmeasured} of a variant with no finished run on its environment yet)" if unmeasured else "")
@@ -638,7 +646,8 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     if len(set(profiles.values()) - {"custom"}) > 1:
         raise ParamsError(f"{results_dir}: its runs were made at different profiles ({profiles}), and a report pools "
                           "them. Keep each profile's runs in its own folder (its study.results_dir).")
-    others = set(profiles.values()) - {"custom", profile}  # the plan is params.yaml's: runs of another are not its
+    # the plan is params.yaml's: runs made at another named profile are another study's (as is_finished judges)
+    others = set() if profile == "custom" else set(profiles.values()) - {"custom", profile}
     metrics, table = aggregate(runs, confidence)
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
@@ -653,8 +662,17 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
             + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
             + f"\n## Runs\n\n{runs_table(runs)}"
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
-            + (f"\n## Planned runs\n\n{plan_table(planned, runs)}" if planned and not others else ""))
+            + _plan_section(planned, runs, profile, others))
     return metrics, text
+
+
+def _plan_section(planned: list[PlannedRun] | None, runs: list[Run], profile: str, others: set[str]) -> str:
+    if not planned:
+        return ""
+    if others:
+        return (f"\nPlanned runs: not listed. These runs were made at profile {', '.join(sorted(others))} and the plan "
+                f"is params.yaml's, at profile {profile}.\n")
+    return f"\n## Planned runs\n\n{plan_table(planned, runs, profile)}"
 
 
 def write_report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
