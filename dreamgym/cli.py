@@ -338,16 +338,16 @@ def _study(args: argparse.Namespace, params) -> int:
                 raise ParamsError("`study run` runs the study params.yaml holds: `dreamgym params use PROFILE` first")
             params = load_params(args.params, {**profile_values(args.profile), **_overrides(args.set)})
             profile = "custom" if Path(args.profile).suffix else args.profile  # as active_profile names a path's
+        if args.action == "report" and args.rows:
+            raise ParamsError("`study report` takes no rows: it reports every kept run")
         results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
         planned = study.plan(params, sim_to_real.iteration_cost(params))
-        study.select_rows(planned, args.rows, params.study.variants)
         if args.action == "run":
+            study.select_rows(planned, args.rows, params.study.variants)  # a wrong name fails before the flow starts
             if message := _reads_params_yaml(args):
                 raise ParamsError(message)
             from flows.study import results_study_flow
             return _run(lambda: results_study_flow(rows=args.rows))
-        if args.rows:
-            raise ParamsError("`study report` takes no rows: it reports every kept run")
         metrics, _ = study.write_report(results_dir, params.evaluate.confidence, algorithms, planned=planned,
                                         profile=profile)
     except ParamsError as error:

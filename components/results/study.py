@@ -215,6 +215,12 @@ def keep_files(run_dir: str | Path, files: dict[str, str]) -> Path:
     return Path(run_dir)
 
 
+def same_study(kept_profile: str, profile: str) -> bool:
+    """Whether a run made at `kept_profile` belongs to the study of params.yaml at `profile`: the same named profile,
+    or "custom" on either side (custom params cannot be told apart: trusted)."""
+    return "custom" in (kept_profile, profile) or kept_profile == profile
+
+
 def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | None = None) -> bool:
     """Whether `run_dir` holds a finished run, which a study keeps and skips. One finished at another named profile,
     or with another value of a param this run would set (`run_overrides`: a changed budget), is an error: its
@@ -224,7 +230,7 @@ def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | N
         return False
     record = _read(run_dir / RUN_RECORD)
     kept = record.get("profile", "custom")
-    if "custom" not in (kept, profile) and kept != profile:
+    if not same_study(kept, profile):
         raise ParamsError(f"{run_dir}: finished at profile {kept!r}, but params.yaml is at profile {profile!r}. Set "
                           f"study.results_dir to this profile's folder (`dreamgym params use {profile}` does), or "
                           f"delete {run_dir} to run it again")
@@ -567,9 +573,8 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
     rows, left, waiting, unmeasured = [], 0.0, 0, 0
     for row in planned:
         if row.name in status:
-            wall = kept[row.name].record.get("seconds")
-            finished = status[row.name] == "finished"
-            rows.append([row.name, status[row.name], f"{wall / 60:.0f}" if finished and wall is not None else "", ""])
+            wall = kept[row.name].record.get("seconds") if status[row.name] == "finished" else None
+            rows.append([row.name, status[row.name], f"{wall / 60:.0f}" if wall is not None else "", ""])
         elif row.why_not:
             rows.append([row.name, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}", "", ""])
         else:
@@ -646,8 +651,8 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     if len(set(profiles.values()) - {"custom"}) > 1:
         raise ParamsError(f"{results_dir}: its runs were made at different profiles ({profiles}), and a report pools "
                           "them. Keep each profile's runs in its own folder (its study.results_dir).")
-    # the plan is params.yaml's: runs made at another named profile are another study's (as is_finished judges)
-    others = set() if profile == "custom" else set(profiles.values()) - {"custom", profile}
+    # the plan is params.yaml's: runs made at another named profile are another study's
+    others = {kept for kept in profiles.values() if not same_study(kept, profile)}
     metrics, table = aggregate(runs, confidence)
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
