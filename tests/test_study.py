@@ -164,6 +164,40 @@ def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_comman
     assert "## Planned runs" in report(results, 0.95, ("grpo", "ppo"), planned, "custom")[1]  # as is_finished judges
 
 
+def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tells_nothing_says_why(tmp_path):
+    """A run kept after a resumption took less wall time than its stages did: the plan estimates rows by the stages'
+    own times. The no-curriculum ablation tells nothing while DreamGym's curriculum accepted no variation."""
+    tw = "textworld-cooking"
+    results = tmp_path / "results"
+    run_dir = results / tw / "dreamgym-grpo-seed0"
+    _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: {**_evaluation(1, 4), "wall_s": 600.0}},
+                                                "synthetic_grpo": {tw: {**_evaluation(2, 4), "wall_s": 600.0}}})
+    curriculum = {"curriculum_enabled": True, "proposed": 6, "accepted": 0}
+    (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": curriculum}))
+    (run_dir / "sim_to_real.json").write_text(json.dumps({"seconds": 600.0, "start_from": "synthetic_rl"}))
+    (run_dir / "run.json").write_text(json.dumps({"seconds": 1200.0, "profile": "cpu"}))  # resumed at the games
+    planned = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "no-curriculum"], environments=[tw]), 28)
+
+    # without the upstream stages' metrics the time from scratch is unknown: the estimate is the wall time
+    assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 20 (mean of 1) |" in report(results, 0.95, ("grpo",),
+                                                                                             planned, "cpu")[1]
+    (run_dir / "train_experience_model.json").write_text(json.dumps({"seconds": 3000.0}))
+    (run_dir / "train_policy_sft.json").write_text(json.dumps({"seconds": 1200.0}))
+    _, text = report(results, 0.95, ("grpo",), planned, "cpu")
+
+    assert finished_runs(results)[0].from_scratch_seconds == 3000 + 1200 + 2400 + 600 + 600 + 600
+    assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 20.0 | 140.0 |" in text
+    assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 140 (mean of 1) |" in text
+    assert (f"| {tw}/no-curriculum-seed0 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed "
+            f"variations in its 1 finished run(s) on {tw}, so DreamGym played the base task schedule") in text
+    assert f"`dreamgym study run {tw}/no-curriculum-seed0` runs it anyway |" in text
+    assert "1 of 4 planned runs finished; 1 to run, about 2.3 h" in text  # the uninformative rows are not counted
+
+    curriculum["accepted"] = 1  # a curriculum that wrote a task: the ablation can tell something
+    (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": curriculum}))
+    assert f"| {tw}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), planned, "cpu")[1]
+
+
 def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does(capsys):
     assert main(["--params", str(REPO / "params.yaml"), "study", "run", "textworld-cooking/dreamgym-grpo-seed9"]) == 2
     error = capsys.readouterr().err
@@ -391,7 +425,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
-    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
+    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | ? | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
     assert 'profile quick)' in text

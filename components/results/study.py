@@ -124,6 +124,8 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
 # run's: its last round's), and the correction rounds' summary
 RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
              "sim_to_real_iterations.csv")
+# and the two models every variant of a seed starts from (from the run's own stage root): what they cost
+UPSTREAM_FILES = ("train_experience_model.json", "train_policy_sft.json")
 CORRECTION_FILE = "correction_rounds.json"
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
@@ -191,6 +193,22 @@ def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = 
     return [row for row in planned if not names or row.name in names]
 
 
+def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
+    """Why running `row` would tell nothing, by the finished runs: the no-curriculum ablation, when DreamGym (GRPO)'s
+    curriculum on the row's environment accepted no variation in any finished run (so DreamGym played the base task
+    schedule, which the ablation plays: the two differ by sampling alone). None when the row can tell something."""
+    if row.variant.overrides.get("synthetic_rl.curriculum.enabled", True):
+        return None
+    base = [run for run in runs if run.variant.name == "dreamgym-grpo" and run.name.startswith(f"{row.environment}/")
+            and run.synthetic_rl.get("curriculum", {}).get("curriculum_enabled")]
+    if not base or any(run.synthetic_rl["curriculum"].get("accepted", 0) for run in base):
+        return None
+    proposed = sum(run.synthetic_rl["curriculum"].get("proposed", 0) for run in base)
+    return (f"not informative: DreamGym (GRPO)'s curriculum accepted 0 of {proposed} proposed variations in its "
+            f"{len(base)} finished run(s) on {row.environment}, so DreamGym played the base task schedule, which is "
+            "what this ablation plays (`python research/curriculum_backbone.py N` asks a backbone for N variations)")
+
+
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
              evaluated_in: str | Path | None = None) -> Path:
     """Keep a finished run's files (`run_files`) and its record in `run_dir`, whole or not at all (a rerun replaces
@@ -201,8 +219,10 @@ def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = "."
 
 def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None) -> dict[str, str]:
     """A finished run's RUN_FILES and its games (GAMES_FILE), by name, from the stage root that evaluated its
-    policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too)."""
+    policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too),
+    and `root`'s UPSTREAM_FILES."""
     sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
+    sources += [Path(root) / "metrics" / name for name in UPSTREAM_FILES]
     sources += [Path(root) / "metrics" / CORRECTION_FILE] if evaluated_in is not None else []
     return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()}
 
@@ -281,6 +301,20 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
         """Whether a policy this run stands for descends from its synthetic RL (a real-only baseline's does not,
         though its pipeline ran synthetic RL too)."""
         return any(self.from_synthetic_rl(label) for label in self.variant.rows)
+
+    @property
+    def from_scratch_seconds(self) -> float | None:
+        """What its pipeline costs with nothing cached: the time each of its stages took when it ran (experience
+        model, warm start, synthetic RL and sim-to-real, or a correction run's rounds, and the held-out games),
+        whichever run ran it. None for a run kept without the upstream stages' metrics (UPSTREAM_FILES)."""
+        upstream = [_read(self.path / name).get("seconds") for name in UPSTREAM_FILES]
+        if None in upstream:
+            return None
+        stages = ([self.correction.get("seconds", 0.0)] if self.correction else
+                  [self.synthetic_rl.get("seconds", 0.0), self.sim_to_real.get("seconds", 0.0),
+                   *(entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
+                     for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)])
+        return sum(upstream) + sum(stages)
 
     def iterations(self, stage: str) -> list[dict[str, float]]:
         """The per-iteration log of `stage` (synthetic_rl or sim_to_real), numbers only."""
@@ -530,21 +564,23 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
 
 def runs_table(runs: list[Run]) -> str:
     """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed. A run's
-    wall time is what it took here (DVC reuses the stages it shares with an earlier run); the RL stages' own time
-    is what they took when they ran."""
+    wall time is what it took here (DVC reuses the stages it shares with an earlier run, and a resumed run counts
+    from its resumption); from scratch and the RL stages' own time are what its stages took when they ran."""
     rows = []
     for run in runs:
         synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
         rows.append([
             run.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
+            f"{run.from_scratch_seconds / 60:.1f}" if run.from_scratch_seconds is not None else "?",
             f"{(synthetic.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
             synthetic.get("iterations", "-"), run.synthetic_transitions("sim-to-real") if synthetic else "-",
             _percent(synthetic["experience_model"]["fallback_rate"]) if "experience_model" in synthetic else "-",
             _confirmed_wins(run) if synthetic else "-",
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
             run.real_transitions("sim-to-real")])
-    return markdown_table(["run", "profile", "commit", "wall time (min)", "RL stages' time (min)",
+    return markdown_table(["run", "profile", "commit", "wall time (min)", "from scratch (min)",
+                           "RL stages' time (min)",
                            "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
                            "synthetic wins the real game confirms", "sim-to-real from", "real RL iterations",
                            "real transitions"], rows)
@@ -566,10 +602,10 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
                 status[row.name] = "finished"
             except ParamsError as error:
                 status[row.name] = f"kept with other params: {error}"
-    minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> wall minutes of its finished rows
+    minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> minutes of its finished rows (`cost_seconds`)
     for row in planned:
-        if status.get(row.name) == "finished" and "seconds" in kept[row.name].record:
-            minutes.setdefault(row.name.rpartition("-seed")[0], []).append(kept[row.name].record["seconds"] / 60)
+        if status.get(row.name) == "finished" and (cost := cost_seconds(kept[row.name])) is not None:
+            minutes.setdefault(row.name.rpartition("-seed")[0], []).append(cost / 60)
     rows, left, waiting, unmeasured = [], 0.0, 0, 0
     for row in planned:
         if row.name in status:
@@ -578,20 +614,31 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
         elif row.why_not:
             rows.append([row.name, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}", "", ""])
         else:
-            waiting += 1
             measured = minutes.get(row.name.rpartition("-seed")[0])
+            cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
+            if reason := uninformative(row, runs):
+                rows.append([row.name, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"])
+                continue
+            waiting += 1
             left += _mean(measured) if measured else 0.0
             unmeasured += not measured
-            cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
             rows.append([row.name, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`"])
     finished = sum(value == "finished" for value in status.values())
     total = (f"{finished} of {len(planned)} planned runs finished; {waiting} to run"
              + (f", about {left / 60:.1f} h by the finished runs of their variants" if left else "")
              + (f" ({unmeasured} of a variant with no finished run on its environment yet)" if unmeasured else "")
              + ". A run's wall time is what it took where it ran: one that DVC restored earlier stages for takes "
-               "less than one that trains its experience model and warm start. Each command runs that row alone; "
-               f"`{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
+               "less than one that trains its experience model and warm start. A row's estimate is its variant's "
+               "time from scratch (the runs table's) where its runs kept it, else their wall time. Each command runs "
+               f"that row alone; `{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
     return total + markdown_table(["row", "status", "wall time (min)", "command"], rows)
+
+
+def cost_seconds(run: Run) -> float | None:
+    """What a row like `run` costs to run: its time from scratch where it kept it (a run resumed after a crash or a
+    session's end counts its wall time from the resumption), else its wall time."""
+    scratch = run.from_scratch_seconds
+    return scratch if scratch is not None else run.record.get("seconds")
 
 
 def _confirmed_wins(run: Run) -> str:
