@@ -253,6 +253,9 @@ class ExperienceModelParams(Section):
     on_policy_games: int = Field(
         ge=0, description="held-out evaluation games the warm-start policy plays per environment, whose real "
                           "transitions the experience model is also scored on (0: none); they only measure")
+    on_policy_temperature: float = Field(
+        ge=0, description="the warm start's sampling temperature in those games (0: greedy, as evaluate_policies "
+                          "plays; synthetic_rl.temperature: the states synthetic RL's sampled play reaches)")
 
 
 class PolicyPromptParams(Section):

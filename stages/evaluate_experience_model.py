@@ -48,7 +48,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     if on_policy:
         on_policy_stats = em.PredictionStats()
         on_policy_results = score(params, root, buffer, on_policy, on_policy_stats, root / ON_POLICY_FILE)
-        metrics["on_policy"] = {"games": games, "transitions_played": len(played), "transitions": len(on_policy),
+        metrics["on_policy"] = {"games": games, "temperature": settings.on_policy_temperature,
+                                "transitions_played": len(played), "transitions": len(on_policy),
                                 "prediction": on_policy_stats.as_dict(), **on_policy_results}
         stats.add(on_policy_stats)
     elif distributed.is_main_process():  # a seed-only domain, or no warm start or games: nothing played, an empty
@@ -88,10 +89,11 @@ def score(params: Params, root: Path, buffer: Any, heldout: list[Transition], st
 
 
 def on_policy_transitions(params: Params, root: Path) -> tuple[list[Transition], int]:
-    """The warm start's greedy play of the first `on_policy_games` held-out evaluation games of each environment
-    the experience model simulates and an adapter plays: (every real transition, games played). These games are
-    the evaluation's held-out split: they measure, and nothing here adds them to any training data or buffer."""
-    games = params.experience_model.on_policy_games
+    """The warm start's play (greedy, or sampled at `on_policy_temperature` from the run's seed) of the first
+    `on_policy_games` held-out evaluation games of each environment the experience model simulates and an adapter
+    plays: (every real transition, games played). These games are the evaluation's held-out split: they measure,
+    and nothing here adds them to any training data or buffer."""
+    games, temperature = params.experience_model.on_policy_games, params.experience_model.on_policy_temperature
     model_dir = root / params.policy.sft.out_dir / "model"
     names = [name for name in params.experience_model.environments if has_adapter(name)]
     if not games or not names or not sft.has_trained_model(model_dir):
@@ -103,7 +105,7 @@ def on_policy_transitions(params: Params, root: Path) -> tuple[list[Transition],
         tasks = kind.make_tasks(params.environments, "heldout", games, params.seed)
         result = evaluate_policy(kind, params.environments, tasks,
                                  policy.policy_factory(model, tokenizer, policy_format(params),
-                                                       params.policy.max_action_tokens),
+                                                       params.policy.max_action_tokens, temperature, params.seed),
                                  workers=params.evaluate.workers, confidence=params.evaluate.confidence,
                                  name="policy", max_steps=params.policy.max_turns)
         played += [t for trajectory in result.trajectories for t in transitions(trajectory)]
@@ -120,8 +122,11 @@ def report(params: Params, metrics: dict[str, Any], results: dict[str, Any], on_
     if on_policy_results is not None:
         on_policy = metrics["on_policy"]
         text += ("\n## On the warm start's own play of held-out games\n\n"
-                 f"The warm-start policy played {on_policy['games']} held-out evaluation games greedily "
-                 f"({on_policy['transitions_played']} real transitions; they only measure, nothing trains on them); "
+                 f"The warm-start policy played {on_policy['games']} held-out evaluation games "
+                 + ("greedily " if not on_policy["temperature"] else
+                    f"sampling at temperature {on_policy['temperature']:g} (each turn from its "
+                    f"own seed, from the run's seed {params.seed}) ")
+                 + f"({on_policy['transitions_played']} real transitions; they only measure, nothing trains on them); "
                  f"{on_policy['transitions']} of them scored, rewarded and look-alike steps first. These are the "
                  "states a policy reaches, mistakes included, which the seed rarely shows: false wins here are what "
                  f"synthetic RL would be paid for. Each prediction beside its gold transition: `{ON_POLICY_FILE}`.\n\n"

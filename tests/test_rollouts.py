@@ -112,6 +112,28 @@ def test_a_conversation_encoded_once_plays_the_same_actions_as_one_encoded_every
         cached.generate(["a", "b"], max_new_tokens=1)
 
 
+def test_a_sampled_policy_with_a_seed_plays_each_task_the_same_whatever_was_played_before(tiny):
+    """The on-policy check samples the warm start's play (experience_model.on_policy_temperature) over evaluation
+    workers: each turn draws from the seed, the task and the turn, so a game plays the same whichever worker plays
+    it and after whichever games."""
+    model, tokenizer = tiny
+    states = ["You are in a kitchen.", "The fridge is open. You see a potato.", "You take the potato."]
+    other = Task("tw-2", ENV, "Slice a potato.", {})
+
+    def play(task, seed, before=()):
+        backend = ConversationBackend(model, tokenizer)
+        for earlier in before:  # other games first, on the same backend and torch stream
+            llm_policy(backend, POLICY_FORMAT, 6, temperature=1.0, seed=seed)(earlier, Observation(states[0]), [])
+        act, history = llm_policy(backend, POLICY_FORMAT, 6, temperature=1.0, seed=seed), []
+        for state in states:
+            history.append((state, act(task, Observation(state), history)))
+        return [action for _, action in history]
+
+    first = play(TASK, seed=3)
+    assert play(TASK, seed=3, before=[other, other]) == first
+    assert any(play(TASK, seed=seed) != first for seed in (4, 5, 6))  # another seed samples other actions
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_rollout_tokens_masks_and_episode_ends(tiny, batched):
     model, tokenizer = tiny

@@ -13,13 +13,15 @@ the policy acted on differ from the one it is trained on.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from components.data.contract import Task, Trajectory
 from components.envs.base import Environment, Observation, Policy
-from components.llm.backends import ConversationBackend, HFGenerationBackend, Message
+from components.llm.backends import ConversationBackend, HFGenerationBackend, Message, random_stream
 from components.simulator.experience_model import clip
 
 if TYPE_CHECKING:
@@ -127,9 +129,11 @@ def next_action_accuracy(backend: HFGenerationBackend, trajectories: Sequence[Tr
 
 
 def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_action_tokens: int,
-               temperature: float = 0.0) -> Policy:
+               temperature: float = 0.0, seed: int | None = None) -> Policy:
     """A `Policy` for the evaluation harness: one call per step; it keeps its episode's observations, so make a
-    new one per episode (the harness does: `make_policy(env)` per task)."""
+    new one per episode (the harness does: `make_policy(env)` per task). Sampled (`temperature` > 0) with a `seed`,
+    each action draws from a stream of its own (the seed, the task, the turn): an episode plays the same whichever
+    worker plays it, and whatever else that worker played."""
     observations: list[Observation] = []
 
     def act(task: Task, observation: Observation, history: Sequence[tuple[str, str]]) -> str:
@@ -137,18 +141,21 @@ def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_action_token
             observations.clear()
         observations.append(observation)
         messages = conversation(task, observations, [action for _, action in history], fmt)
-        return parse_action(backend.generate([messages], max_new_tokens=max_action_tokens,
-                                             temperature=temperature)[0])
+        sampled = seed is not None and temperature > 0
+        with random_stream(hash((seed, zlib.crc32(task.task_id.encode()), len(history))) & 0xFFFF_FFFF_FFFF,
+                           backend.model.device) if sampled else nullcontext():
+            return parse_action(backend.generate([messages], max_new_tokens=max_action_tokens,
+                                                 temperature=temperature)[0])
 
     return act
 
 
 def policy_factory(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: PolicyFormat,
-                   max_action_tokens: int):
-    """`make_policy(env)` for `evaluation.evaluate_policy`: greedy actions from one shared model, each episode's
-    conversation encoded once and extended turn by turn (`ConversationBackend`: the same actions as re-encoding it
-    whole every turn, at a fraction of the cost)."""
+                   max_action_tokens: int, temperature: float = 0.0, seed: int | None = None):
+    """`make_policy(env)` for `evaluation.evaluate_policy`: actions from one shared model (greedy, or sampled at
+    `temperature` from `seed`: `llm_policy`), each episode's conversation encoded once and extended turn by turn
+    (`ConversationBackend`: the same actions as re-encoding it whole every turn, at a fraction of the cost)."""
     def make(env: Environment) -> Policy:
-        return llm_policy(ConversationBackend(model, tokenizer), fmt, max_action_tokens)
+        return llm_policy(ConversationBackend(model, tokenizer), fmt, max_action_tokens, temperature, seed)
 
     return make
