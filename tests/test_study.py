@@ -192,6 +192,8 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
             f"variations in its 1 finished run(s) on {tw}, so DreamGym played the base task schedule") in text
     assert f"`dreamgym study run {tw}/no-curriculum-seed0` runs it anyway |" in text
     assert "1 of 4 planned runs finished; 1 to run, about 2.3 h" in text  # the uninformative rows are not counted
+    assert "(0.3 h of runs as they ran, 2.3 h from scratch for the 1 that kept their stages' times, profile cpu)" \
+        in text
 
     curriculum["accepted"] = 1  # a curriculum that wrote a task: the ablation can tell something
     (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": curriculum}))

@@ -704,8 +704,11 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
+    scratch = [run.from_scratch_seconds for run in runs if run.from_scratch_seconds is not None]
+    hours_text = f"{hours:.1f} h of runs" + (f" as they ran, {sum(scratch) / 3600:.1f} h from scratch for the "
+                                             f"{len(scratch)} that kept their stages' times" if scratch else "")
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
-            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours:.1f} h of runs, profile "
+            f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours_text}, profile "
             f"{', '.join(sorted(set(profiles.values()))) or '-'}). An environment "
             f"marked (simulated) is a seed-only domain: its held-out games are played inside the experience model."
             f"\n\n{table}"
