@@ -124,8 +124,8 @@ def report(params: Params, metrics: dict[str, Any], results: dict[str, Any], on_
         text += ("\n## On the warm start's own play of held-out games\n\n"
                  f"The warm-start policy played {on_policy['games']} held-out evaluation games "
                  + ("greedily " if not on_policy["temperature"] else
-                    f"sampling at temperature {on_policy['temperature']:g} (each turn from its "
-                    f"own seed, from the run's seed {params.seed}) ")
+                    f"sampling at temperature {on_policy['temperature']:g}, each turn from a seed of its own under "
+                    f"the run's seed {params.seed} ")
                  + f"({on_policy['transitions_played']} real transitions; they only measure, nothing trains on them); "
                  f"{on_policy['transitions']} of them scored, rewarded and look-alike steps first. These are the "
                  "states a policy reaches, mistakes included, which the seed rarely shows: false wins here are what "
