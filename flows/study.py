@@ -195,8 +195,8 @@ def results_study_flow(rows: list[str] | None = None) -> dict:
         if study.is_finished(run_dir, profile, row.overrides):
             continue
         # a row named is run whatever the finished runs say; the whole study skips one they show would tell nothing
-        finished = study.finished_runs(results_dir, tuple(settings.algorithms))
-        if not rows and (reason := study.uninformative(row, finished)):
+        if not rows and (reason := study.uninformative(row, study.finished_runs(results_dir,
+                                                                                tuple(settings.algorithms)))):
             get_run_logger().warning("%s: not run: %s", row.name, reason)
             continue
         target = row.variant.target

@@ -337,9 +337,11 @@ def report(params: Params, rows: list[dict[str, Any]], paired: dict[str, dict[st
                f"experience model trained {settings.training_steps} more steps (on-policy data weighted "
                f"{params.experience_model.policy_repeats}x). " if settings.feedback else
                "nothing fed back (`correction.feedback: false`: DreamGym-S2R at the same real budget). ")
-            + "On-policy fidelity: the experience model the next round uses, on the current policy's greedy play of "
-              f"{params.experience_model.on_policy_games} held-out games (they only measure); a false win is a reward "
-              "predicted where the game gave none. Held-out success: the round's sim-to-real policy on "
+            + "On-policy fidelity: the experience model the next round uses, on the current policy's play ("
+              + ("greedy" if not params.experience_model.on_policy_temperature else
+                 f"sampled at temperature {params.experience_model.on_policy_temperature:g}")
+              + f") of {params.experience_model.on_policy_games} held-out games (they only measure); a false win is "
+              "a reward predicted where the game gave none. Held-out success: the round's sim-to-real policy on "
               f"the first {settings.heldout_games} held-out games per environment (the last round's on all "
               f"{params.policy.eval_tasks}).\n\n![rounds](correction_rounds.png)\n\n"
             + markdown_table(SHOWN, [[row.get(key) for key in SHOWN] for row in rows])

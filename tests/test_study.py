@@ -189,15 +189,25 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
     assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 20.0 | 140.0 |" in text
     assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 140 (mean of 1) |" in text
     assert (f"| {tw}/no-curriculum-seed0 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed "
-            f"variations in its 1 finished run(s) on {tw}, so DreamGym played the base task schedule") in text
+            "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in its 1 finished run(s) "
+            f"on {tw}, so DreamGym played the base task schedule") in text
     assert f"`dreamgym study run {tw}/no-curriculum-seed0` runs it anyway |" in text
-    assert "1 of 4 planned runs finished; 1 to run, about 2.3 h" in text  # the uninformative rows are not counted
-    assert "(0.3 h of runs as they ran, 2.3 h from scratch for the 1 that kept their stages' times, profile cpu)" \
-        in text
+    assert "1 of 4 planned runs finished; 1 to run, about 2.3 h by the finished runs of their variants; 2 not " \
+           "informative by the finished runs (not run unless named)" in text
+    assert "(0.3 h of runs as they ran; 2.3 h from scratch, summed over the 1 that kept their stages' times, " \
+           "profile cpu)" in text
 
-    curriculum["accepted"] = 1  # a curriculum that wrote a task: the ablation can tell something
-    (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": curriculum}))
-    assert f"| {tw}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), planned, "cpu")[1]
+    # a curriculum no task was varied by: the same schedule, another reason
+    (run_dir / "synthetic_rl.json").write_text(json.dumps({"curriculum": {**curriculum, "proposed": 0}}))
+    assert "curriculum proposed no variation (no task's reward variance reached synthetic_rl.curriculum.min_variance)" \
+        in report(results, 0.95, ("grpo",), planned, "cpu")[1]
+    # a curriculum that wrote a task, or was off, or DreamGym runs on another environment only: worth running
+    for kept, environment in [({**curriculum, "accepted": 1}, tw), ({**curriculum, "curriculum_enabled": False}, tw),
+                              (curriculum, "miniwob")]:
+        (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": kept}))
+        other = plan(_cpu_study(seeds=[0], variants=["no-curriculum"], environments=[environment]), 28)
+        assert f"| {environment}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), other,
+                                                                                 "cpu")[1]
 
 
 def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does(capsys):

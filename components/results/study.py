@@ -204,9 +204,11 @@ def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
     if not base or any(run.synthetic_rl["curriculum"].get("accepted", 0) for run in base):
         return None
     proposed = sum(run.synthetic_rl["curriculum"].get("proposed", 0) for run in base)
-    return (f"not informative: DreamGym (GRPO)'s curriculum accepted 0 of {proposed} proposed variations in its "
-            f"{len(base)} finished run(s) on {row.environment}, so DreamGym played the base task schedule, which is "
-            "what this ablation plays (`python research/curriculum_backbone.py N` asks a backbone for N variations)")
+    why = (f"accepted 0 of {proposed} proposed variations (`python research/curriculum_backbone.py N` asks a backbone "
+           "for N)" if proposed else "proposed no variation (no task's reward variance reached "
+           "synthetic_rl.curriculum.min_variance)")
+    return (f"not informative: DreamGym (GRPO)'s curriculum {why} in its {len(base)} finished run(s) on "
+            f"{row.environment}, so DreamGym played the base task schedule, which is what this ablation plays")
 
 
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
@@ -279,6 +281,7 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     record: dict[str, Any]  # run.json (empty for runs kept before it existed)
     games: dict[tuple[str, str], dict[str, bool]]  # (policy label, environment) -> task id -> won; {} if not kept
     correction: dict[str, Any]  # correction_rounds.json of a correction run ({} otherwise)
+    upstream: list[dict[str, Any]]  # UPSTREAM_FILES ({} for one the run did not keep)
 
     def real_transitions(self, label: str) -> int:
         """Real transitions spent on the policy evaluated under `label`: a correction run's, over all its rounds."""
@@ -305,16 +308,22 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     @property
     def from_scratch_seconds(self) -> float | None:
         """What its pipeline costs with nothing cached: the time each of its stages took when it ran (experience
-        model, warm start, synthetic RL and sim-to-real, or a correction run's rounds, and the held-out games),
-        whichever run ran it. None for a run kept without the upstream stages' metrics (UPSTREAM_FILES)."""
-        upstream = [_read(self.path / name).get("seconds") for name in UPSTREAM_FILES]
-        if None in upstream:
+        model, warm start, synthetic RL, sim-to-real and the held-out games), whichever run ran it. None for a run
+        kept without the upstream stages' metrics (UPSTREAM_FILES), and for a correction run, which keeps its last
+        round's stages but not those of the pipeline its rounds start from."""
+        upstream = [kept.get("seconds") for kept in self.upstream]
+        if None in upstream or self.correction:
             return None
-        stages = ([self.correction.get("seconds", 0.0)] if self.correction else
-                  [self.synthetic_rl.get("seconds", 0.0), self.sim_to_real.get("seconds", 0.0),
-                   *(entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
-                     for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)])
-        return sum(upstream) + sum(stages)
+        return sum(upstream) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) + sum(
+            entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
+            for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)
+
+    @property
+    def cost_seconds(self) -> float | None:
+        """What a row like this one costs to run: its time from scratch where known (a run resumed after a crash or
+        a session's end counts its wall time from the resumption), else its wall time."""
+        scratch = self.from_scratch_seconds
+        return scratch if scratch is not None else self.record.get("seconds")
 
     def iterations(self, stage: str) -> list[dict[str, float]]:
         """The per-iteration log of `stage` (synthetic_rl or sim_to_real), numbers only."""
@@ -338,7 +347,8 @@ def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("
             runs.append(Run(path, path.relative_to(results_dir).as_posix(), known[name], int(seed),
                             _read(path / "evaluate_policies.json"),
                             _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
-                            _read(path / RUN_RECORD), read_games(path / KEPT_GAMES), _read(path / CORRECTION_FILE)))
+                            _read(path / RUN_RECORD), read_games(path / KEPT_GAMES), _read(path / CORRECTION_FILE),
+                            [_read(path / name) for name in UPSTREAM_FILES]))
     return runs
 
 
@@ -604,9 +614,9 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
                 status[row.name] = f"kept with other params: {error}"
     minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> minutes of its finished rows (`cost_seconds`)
     for row in planned:
-        if status.get(row.name) == "finished" and (cost := cost_seconds(kept[row.name])) is not None:
+        if status.get(row.name) == "finished" and (cost := kept[row.name].cost_seconds) is not None:
             minutes.setdefault(row.name.rpartition("-seed")[0], []).append(cost / 60)
-    rows, left, waiting, unmeasured = [], 0.0, 0, 0
+    rows, left, waiting, unmeasured, idle = [], 0.0, 0, 0, 0
     for row in planned:
         if row.name in status:
             wall = kept[row.name].record.get("seconds") if status[row.name] == "finished" else None
@@ -617,6 +627,7 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
             measured = minutes.get(row.name.rpartition("-seed")[0])
             cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
             if reason := uninformative(row, runs):
+                idle += 1
                 rows.append([row.name, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"])
                 continue
             waiting += 1
@@ -627,18 +638,13 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
     total = (f"{finished} of {len(planned)} planned runs finished; {waiting} to run"
              + (f", about {left / 60:.1f} h by the finished runs of their variants" if left else "")
              + (f" ({unmeasured} of a variant with no finished run on its environment yet)" if unmeasured else "")
+             + (f"; {idle} not informative by the finished runs (not run unless named)" if idle else "")
              + ". A run's wall time is what it took where it ran: one that DVC restored earlier stages for takes "
                "less than one that trains its experience model and warm start. A row's estimate is its variant's "
-               "time from scratch (the runs table's) where its runs kept it, else their wall time. Each command runs "
+               "time from scratch (the runs table's: the stages a seed's rows share counted in each) where its runs "
+               "kept it, else their wall time, so the total is what the rows cost on fresh machines. Each command runs "
                f"that row alone; `{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
-    return total + markdown_table(["row", "status", "wall time (min)", "command"], rows)
-
-
-def cost_seconds(run: Run) -> float | None:
-    """What a row like `run` costs to run: its time from scratch where it kept it (a run resumed after a crash or a
-    session's end counts its wall time from the resumption), else its wall time."""
-    scratch = run.from_scratch_seconds
-    return scratch if scratch is not None else run.record.get("seconds")
+    return total + markdown_table(["row", "status", "minutes (finished: wall time; else estimate)", "command"], rows)
 
 
 def _confirmed_wins(run: Run) -> str:
@@ -705,8 +711,9 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
     scratch = [run.from_scratch_seconds for run in runs if run.from_scratch_seconds is not None]
-    hours_text = f"{hours:.1f} h of runs" + (f" as they ran, {sum(scratch) / 3600:.1f} h from scratch for the "
-                                             f"{len(scratch)} that kept their stages' times" if scratch else "")
+    hours_text = f"{hours:.1f} h of runs" + (
+        f" as they ran; {sum(scratch) / 3600:.1f} h from scratch, summed over the {len(scratch)} that kept their "
+        "stages' times" if scratch else "")
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
             f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours_text}, profile "
             f"{', '.join(sorted(set(profiles.values()))) or '-'}). An environment "

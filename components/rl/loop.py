@@ -27,6 +27,7 @@ from components import distributed
 from components.data.contract import Trajectory, read_records, write_records
 from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
+from components.llm.backends import stream_seed
 from components.llm.sft import LoraSettings, save_for_inference
 from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
 from components.simulator.replay_buffer import FaissReplayBuffer, ReplayBuffer, WeaviateReplayBuffer
@@ -190,7 +191,7 @@ def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
 
 def episode_seed(seed: int, iteration: int, index: int) -> int:
     """The policy's sampling seed for episode `index` of `iteration`: the same whichever process plays it."""
-    return hash((seed, iteration, index)) & 0xFFFF_FFFF_FFFF
+    return stream_seed(seed, iteration, index)
 
 
 def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeBatch], curriculum: Curriculum,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from components.data.contract import Task, Trajectory
 from components.envs.base import Environment, Observation, Policy
-from components.llm.backends import ConversationBackend, HFGenerationBackend, Message, random_stream
+from components.llm.backends import ConversationBackend, HFGenerationBackend, Message, random_stream, stream_seed
 from components.simulator.experience_model import clip
 
 if TYPE_CHECKING:
@@ -133,7 +133,8 @@ def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_action_token
     """A `Policy` for the evaluation harness: one call per step; it keeps its episode's observations, so make a
     new one per episode (the harness does: `make_policy(env)` per task). Sampled (`temperature` > 0) with a `seed`,
     each action draws from a stream of its own (the seed, the task, the turn): an episode plays the same whichever
-    worker plays it, and whatever else that worker played."""
+    worker plays it, and whatever else that worker played. The stream is torch's one, held while the action is
+    generated, so sampling workers (threads) take turns to generate; greedy ones do not."""
     observations: list[Observation] = []
 
     def act(task: Task, observation: Observation, history: Sequence[tuple[str, str]]) -> str:
@@ -142,7 +143,7 @@ def llm_policy(backend: HFGenerationBackend, fmt: PolicyFormat, max_action_token
         observations.append(observation)
         messages = conversation(task, observations, [action for _, action in history], fmt)
         sampled = seed is not None and temperature > 0
-        with random_stream(hash((seed, zlib.crc32(task.task_id.encode()), len(history))) & 0xFFFF_FFFF_FFFF,
+        with random_stream(stream_seed(seed, zlib.crc32(task.task_id.encode()), len(history)),
                            backend.model.device) if sampled else nullcontext():
             return parse_action(backend.generate([messages], max_new_tokens=max_action_tokens,
                                                  temperature=temperature)[0])

@@ -31,7 +31,7 @@ from components.envs.base import (
     StepResult,
     failed_reset,
 )
-from components.llm.backends import ConversationBackend, random_stream, sampling_settings
+from components.llm.backends import ConversationBackend, random_stream, sampling_settings, stream_seed
 from components.rl.policy import SYSTEM, PolicyFormat, parse_action, state_message
 from components.simulator.synthetic import SyntheticEnvironment, record_trajectory
 
@@ -295,7 +295,7 @@ def generate_actions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     input_ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
     # one batch, one draw: from the batch's seeds together (processes playing other episodes draw other numbers)
-    with random_stream(hash(tuple(seeds)) & 0xFFFF_FFFF_FFFF if seeds is not None else None, model.device), \
+    with random_stream(stream_seed(*seeds) if seeds is not None else None, model.device), \
             torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
                                 max_new_tokens=max_new_tokens, **keywords, **sampling_settings(temperature))
@@ -345,7 +345,7 @@ def rollout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: E
             replies, logprobs = generate_actions(
                 model, tokenizer, [episodes[i].prompt_ids + episodes[i].completion_ids for i in active],
                 max_action_tokens, temperature, None if batched else [conversations[i] for i in active],
-                None if seeds is None else [hash((seeds[i], turn)) & 0xFFFF_FFFF_FFFF for i in active])
+                None if seeds is None else [stream_seed(seeds[i], turn) for i in active])
             stats.policy_seconds += time.monotonic() - started
             actions = [parse_action(tokenizer.decode(ids, skip_special_tokens=True)) for ids in replies]
             started = time.monotonic()
