@@ -127,9 +127,10 @@ def report(params: Params, metrics: dict[str, Any], results: dict[str, Any], on_
                     f"sampling at temperature {on_policy['temperature']:g}, each turn from a seed of its own under "
                     f"the run's seed {params.seed} ")
                  + f"({on_policy['transitions_played']} real transitions; they only measure, nothing trains on them); "
-                 f"{on_policy['transitions']} of them scored, rewarded and look-alike steps first. These are the "
-                 "states a policy reaches, mistakes included, which the seed rarely shows: false wins here are what "
-                 f"synthetic RL would be paid for. Each prediction beside its gold transition: `{ON_POLICY_FILE}`.\n\n"
+                 f"{on_policy['transitions']} of them scored, rewarded, look-alike and refused steps first. These "
+                 "are the states a policy reaches, mistakes included, which the seed rarely shows: false wins here "
+                 "are what synthetic RL would be paid for. Each prediction beside its gold transition: "
+                 f"`{ON_POLICY_FILE}`.\n\n"
                  + fidelity.fidelity_report(on_policy_results, title=None))
     return text + (f"\nThe experience model ran with reasoning {fmt.use_reasoning}, retrieval {fmt.use_retrieval} and "
                    f"reply form {fmt.reply}; {stats.fallbacks} of {stats.requests} predictions fell back after "

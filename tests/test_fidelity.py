@@ -185,6 +185,20 @@ def test_lookalikes_are_unrewarded_steps_of_a_rewarded_command_and_get_a_quarter
     assert scores[OVERALL]["positive_reward_accuracy"] == 1.0
 
 
+def test_refused_commands_get_a_quarter_of_the_sample_after_outcomes_and_lookalikes():
+    """A model that lets a refused command succeed hands the policy a state the game never reaches (session 26: 4 of
+    5 on sampled play): the sample keeps such steps beside the outcomes and look-alikes."""
+    ordinary = [transition("s", f"look {i}", "s", step_index=i) for i in range(10)]
+    refused = [replace(transition("s", f"drop knife {i}", "You haven't got that.", step_index=30 + i),
+                       info={"valid_action": False}) for i in range(3)]
+    won = transition("s", "eat meal", "won", 1.0, True, step_index=20)
+
+    sample = outcomes_first_sample(ordinary + refused + [won], 8)
+    assert [t.action for t in sample] == ["eat meal", "drop knife 0", "drop knife 1", "look 0", "look 1", "look 2",
+                                          "look 3", "look 4"]  # at most 8 // 4 refusals
+    assert score_predictions(refused[:1], [Guess("You drop the knife.", 0.0, False)])[OVERALL]["refused_n"] == 1
+
+
 # ---------------------------------------------------------------------------------------------------- baselines
 @pytest.fixture
 def buffer():

@@ -92,21 +92,26 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
 
 def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
     """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, up to a
-    quarter look-alikes (`is_lookalike`), the rest ordinary, each kind in file order.
+    quarter look-alikes (`is_lookalike`), up to a quarter commands the environment refused, the rest ordinary, each
+    kind in file order.
 
     Why: outcomes are 2-3% of steps, so the first N steps hold almost none, and reward and done accuracy would only
     measure "predicts nothing happens". Look-alikes test that a reward is earned by the state, not by the command
-    or the turn it comes at. The per-kind rows of the report keep the kinds apart.
+    or the turn it comes at. Refusals test that a command the state does not allow changes nothing: a model that
+    lets one succeed hands a policy states the environment never reaches. The per-kind rows of the report keep the
+    kinds apart.
     """
     rewarded = rewarded_commands(transitions_)
-    groups: dict[str, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+    groups: dict[str, tuple[list, list, list, list]] = defaultdict(lambda: ([], [], [], []))
     for t in transitions_:
-        outcomes, alike, ordinary = groups[t.task.environment]
-        (outcomes if is_outcome(t.reward, t.done) else alike if is_lookalike(t, rewarded) else ordinary).append(t)
+        outcomes, alike, refused, ordinary = groups[t.task.environment]
+        (outcomes if is_outcome(t.reward, t.done) else alike if is_lookalike(t, rewarded)
+         else refused if t.info.get("valid_action") is False else ordinary).append(t)
     sample = []
-    for outcomes, alike, ordinary in groups.values():
+    for outcomes, alike, refused, ordinary in groups.values():
         chosen = outcomes[:per_environment // 2]
         chosen += alike[:per_environment // 4]
+        chosen += refused[:per_environment // 4]
         sample += chosen + ordinary[:per_environment - len(chosen)]
     return sample
 
