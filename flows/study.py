@@ -59,15 +59,36 @@ def head_commit(cwd: str | Path = ".") -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd).stdout.strip()
 
 
-def run_record(name: str, overrides: dict, profile: str, started: float, cwd: str | Path = ".") -> dict:
+def run_record(name: str, overrides: dict, profile: str, started: float, cwd: str | Path = ".",
+               simulator_not_scored: str | None = None) -> dict:
     return {"run": name, "params_set": overrides, "profile": profile, "commit": head_commit(cwd),
-            "seconds": round(time.monotonic() - started, 1)}
+            "seconds": round(time.monotonic() - started, 1),
+            **({"simulator_not_scored": simulator_not_scored} if simulator_not_scored else {})}
+
+
+def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, cwd: str | Path | None = None
+            ) -> str | None:
+    """The row's `dvc exp run` up to `target`, then, for a row whose policies come from synthetic RL, the scoring of
+    its experience model in a run of its own, so that the model's failure budget stopping it loses none of the row's
+    evaluation; why the model was not scored, or None. Rows sharing an experience model score it once: DVC restores
+    the others from its run cache."""
+    run_logged(run_command(overrides, target), cwd=cwd)
+    if not measures_simulator:
+        return None
+    try:
+        run_logged(run_command(overrides, "evaluate_experience_model"), cwd=cwd)
+    except RuntimeError:
+        get_run_logger().warning("%s: evaluate_experience_model failed (its output is above); the row is kept "
+                                 "without the simulator's fidelity", name)
+        return "evaluate_experience_model failed (the row's log says why)"
+    return None
 
 
 @task(task_run_name="{name}")
-def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluated_in: Path | None = None) -> None:
-    """One pipeline run with `overrides` up to the stage `target`; its metrics (from the stage root `evaluated_in`
-    where it is not the project's) and record are kept in `run_dir`."""
+def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluated_in: Path | None = None,
+                measures_simulator: bool = False) -> None:
+    """One pipeline run with `overrides` up to the stage `target` (`run_row`); its metrics (from the stage root
+    `evaluated_in` where it is not the project's) and record are kept in `run_dir`."""
     original, profile = Path(PARAMS).read_text(encoding="utf-8"), active_profile(PARAMS)  # before the overrides
     PARAMS_BACKUP.parent.mkdir(parents=True, exist_ok=True)
     partial = PARAMS_BACKUP.with_suffix(".partial")
@@ -75,40 +96,43 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
     partial.replace(PARAMS_BACKUP)  # whole or not at all: a half-written backup would be restored over the user's file
     started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
-        run_logged(run_command(overrides, target))
+        not_scored = run_row(name, overrides, target, measures_simulator)
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
         PARAMS_BACKUP.unlink(missing_ok=True)
-    study.keep_run(run_dir, run_record(name, overrides, profile, started), evaluated_in=evaluated_in)
+    study.keep_run(run_dir, run_record(name, overrides, profile, started, simulator_not_scored=not_scored),
+                   evaluated_in=evaluated_in, simulator=measures_simulator and not not_scored)
 
 
 @flow(name="study_row", flow_run_name="{name}", persist_result=True)
 def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | None, commit: str,
-                   state: dict[str, str], profile: str) -> dict[str, str]:
+                   state: dict[str, str], profile: str, measures_simulator: bool = False) -> dict[str, str]:
     """One study run on a worker: a workspace of the study's `commit` and working `state` (params.yaml, data.dvc,
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
     returned to the study. The workspace is removed after a run that finished, kept after one that failed."""
     workspace = make_workspace(".", commit, ROW_WORKSPACES / str(flow_run.id), state)
     get_run_logger().info("%s: running in %s", name, workspace)
     started = time.monotonic()
-    run_logged(run_command(overrides, target), cwd=workspace)
-    files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None),
-             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, started, workspace), indent=2,
-                                          sort_keys=True) + "\n"}
+    not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
+    files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
+                               measures_simulator and not not_scored),
+             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, started, workspace, not_scored),
+                                          indent=2, sort_keys=True) + "\n"}
     shutil.rmtree(workspace)
     return files
 
 
 @task(task_run_name="on the work pool: {name}")
 def submit_row(name: str, overrides: dict, target: str, evaluated_in: Path | None, commit: str,
-               state: dict[str, str], profile: str) -> str:
+               state: dict[str, str], profile: str, measures_simulator: bool) -> str:
     """A flow run of the study_row deployment for this run, left to the pool's workers; its id."""
     from prefect.deployments import run_deployment
 
     submitted = run_deployment(f"study_row/{deployments.STUDY_ROW_DEPLOYMENT}", timeout=0, flow_run_name=name,
                                parameters={"name": name, "overrides": overrides, "target": target,
                                            "evaluated_in": str(evaluated_in) if evaluated_in else None,
-                                           "commit": commit, "state": state, "profile": profile})
+                                           "commit": commit, "state": state, "profile": profile,
+                                           "measures_simulator": measures_simulator})
     return str(submitted.id)
 
 
@@ -203,8 +227,9 @@ def results_study_flow(rows: list[str] | None = None) -> dict:
         evaluated_in = round_path(params) if target == "correction_rounds" else None
         if settings.on_work_pool:
             submitted.append((row.name, run_dir, submit_row(row.name, row.overrides, target, evaluated_in, commit,
-                                                            state, profile)))
-        elif not run_variant(row.name, row.overrides, run_dir, target, evaluated_in, return_state=True).is_completed():
+                                                            state, profile, row.variant.measures_simulator)))
+        elif not run_variant(row.name, row.overrides, run_dir, target, evaluated_in, row.variant.measures_simulator,
+                             return_state=True).is_completed():
             failed.append(row.name)
     for name, run_dir, flow_run_id in submitted:  # in the order submitted; the workers run them at once
         if not keep_row(name, flow_run_id, run_dir, return_state=True).is_completed():

@@ -5,6 +5,7 @@ its share of the transitions and plays its share of the games; the main process 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ ON_POLICY_FILE = "reports/evaluate_experience_model_on_policy.jsonl"  # the same
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """Fidelity on held-out real transitions: the experience model against copy-nearest-neighbour and no-change."""
-    root, settings = Path(root), params.experience_model
+    root, settings, started = Path(root), params.experience_model, time.monotonic()
     heldout = fidelity.heldout_transitions(experience_trajectories(params, root), params.data.heldout_task_fraction)
     if settings.fidelity_max_transitions:
         heldout = fidelity.outcomes_first_sample(heldout, settings.fidelity_max_transitions)
@@ -56,6 +57,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         write_records([], root / ON_POLICY_FILE)  # file for DVC's output
     if not distributed.is_main_process():
         return {}
+    metrics["seconds"] = round(time.monotonic() - started, 1)
     fallback_budget(params).check(stats, f"evaluate_experience_model (predictions beside the gold transitions: "
                                          f"{PREDICTIONS_FILE}, {ON_POLICY_FILE})", settings.inference.max_new_tokens)
     write_stage_outputs("evaluate_experience_model", metrics,

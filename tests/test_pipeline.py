@@ -333,10 +333,20 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     params_before = (onboarded / "params.yaml").read_text()
     monkeypatch.chdir(onboarded)
 
-    metrics = results_study_flow()
+    results_study_flow()
 
     results = onboarded / "reports" / "results_study"
     assert [p.name for p in results.iterdir() if p.is_dir()] == ["demo-kitchen"]  # a folder per environment
+    # the tiny model's curriculum writes no task: the ablation would play DreamGym's schedule, so the study skips it
+    assert sorted(p.name for p in (results / "demo-kitchen").iterdir()) == ["dreamgym-grpo-seed0"]
+    assert "| demo-kitchen/no-curriculum-seed0 | not informative: " in (results / "README.md").read_text()
+    # DreamGym's run scored its experience model too (held-out seed steps: a seed-only domain has no game to play)
+    fidelity = json.loads((results / "demo-kitchen" / "dreamgym-grpo-seed0" / "evaluate_experience_model.json"
+                           ).read_text())
+    assert fidelity["experience model"]["overall"]["n"] > 0 and "on_policy" not in fidelity
+
+    metrics = results_study_flow(rows=["demo-kitchen/no-curriculum-seed0"])  # named, it runs
+
     runs = sorted(p.name for p in (results / "demo-kitchen").iterdir())
     assert runs == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
     record = json.loads((results / "demo-kitchen" / "no-curriculum-seed0" / "run.json").read_text())

@@ -210,6 +210,32 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
                                                                                  "cpu")[1]
 
 
+def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_shows_its_false_wins(tmp_path):
+    """Rows whose policies come from synthetic RL also score their experience model (flows.study.run_row): the run
+    keeps evaluate_experience_model.json only when it scored it (a file another row left would not be its own)."""
+    assert {v.name: v.measures_simulator for v in variants(("grpo",))} == {
+        "dreamgym-grpo": True, "real-grpo": False, "no-curriculum": True, "no-retrieval": True, "no-reasoning": True,
+        "s2r-correction": False}  # the correction rounds score theirs every round
+    tw = "textworld-cooking"
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "evaluate_policies.json").write_text(json.dumps({"synthetic_grpo": {tw: _evaluation(2, 4)}}))
+    (metrics_dir / "evaluate_experience_model.json").write_text(json.dumps(
+        {"seconds": 420.0, "experience model": {"overall": {"false_wins": 0, "unrewarded_n": 27}},
+         "on_policy": {"experience model": {"overall": {"false_wins": 1, "unrewarded_n": 26}}}}))
+    results = tmp_path / "results"
+
+    scored = keep_run(results / "dreamgym-grpo-seed0", {"seconds": 60.0}, tmp_path, simulator=True)
+    unscored = keep_run(results / "no-retrieval-seed0", {"seconds": 60.0, "simulator_not_scored": "it failed"},
+                        tmp_path)
+
+    assert (scored / "evaluate_experience_model.json").is_file()
+    assert not (unscored / "evaluate_experience_model.json").exists()
+    text = report(results, 0.95, ("grpo",))[1]
+    assert "| dreamgym-grpo-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | 0/27; 1/26 |" in text
+    assert "| no-retrieval-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | not scored: it failed |" in text
+
+
 def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does(capsys):
     assert main(["--params", str(REPO / "params.yaml"), "study", "run", "textworld-cooking/dreamgym-grpo-seed9"]) == 2
     error = capsys.readouterr().err

@@ -49,6 +49,12 @@ class Variant:
     target: str = "evaluate_policies"  # the DVC stage its run ends with
 
     @property
+    def measures_simulator(self) -> bool:
+        """Whether its run also scores its experience model (evaluate_experience_model): a run whose policies come
+        from synthetic RL. Correction rounds score theirs every round; a real-only baseline's policy never met it."""
+        return self.target == "evaluate_policies" and any(label.startswith("synthetic_") for label in self.rows)
+
+    @property
     def policies(self) -> list[str]:
         """The policies its run evaluates (evaluate.policies, by training stage): its rows' only, as each held-out
         evaluation costs minutes on a CPU (the warm start is played once per seed, in the first algorithm's DreamGym
@@ -126,6 +132,7 @@ RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", 
              "sim_to_real_iterations.csv")
 # and the two models every variant of a seed starts from (from the run's own stage root): what they cost
 UPSTREAM_FILES = ("train_experience_model.json", "train_policy_sft.json")
+SIMULATOR_FILE = "evaluate_experience_model.json"  # kept from a run that scored its experience model
 CORRECTION_FILE = "correction_rounds.json"
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
@@ -212,19 +219,21 @@ def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
 
 
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
-             evaluated_in: str | Path | None = None) -> Path:
+             evaluated_in: str | Path | None = None, simulator: bool = False) -> Path:
     """Keep a finished run's files (`run_files`) and its record in `run_dir`, whole or not at all (a rerun replaces
     it)."""
-    return keep_files(run_dir, {**run_files(root, evaluated_in),
+    return keep_files(run_dir, {**run_files(root, evaluated_in, simulator),
                                 RUN_RECORD: json.dumps(record, indent=2, sort_keys=True) + "\n"})
 
 
-def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None) -> dict[str, str]:
+def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None, simulator: bool = False
+              ) -> dict[str, str]:
     """A finished run's RUN_FILES and its games (GAMES_FILE), by name, from the stage root that evaluated its
     policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too),
-    and `root`'s UPSTREAM_FILES."""
+    and `root`'s UPSTREAM_FILES, and SIMULATOR_FILE when the run scored its experience model (`simulator`: the file
+    left by another run would not be this run's)."""
     sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
-    sources += [Path(root) / "metrics" / name for name in UPSTREAM_FILES]
+    sources += [Path(root) / "metrics" / name for name in (*UPSTREAM_FILES, *[SIMULATOR_FILE] * simulator)]
     sources += [Path(root) / "metrics" / CORRECTION_FILE] if evaluated_in is not None else []
     return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()}
 
@@ -282,6 +291,7 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     games: dict[tuple[str, str], dict[str, bool]]  # (policy label, environment) -> task id -> won; {} if not kept
     correction: dict[str, Any]  # correction_rounds.json of a correction run ({} otherwise)
     upstream: list[dict[str, Any]]  # UPSTREAM_FILES ({} for one the run did not keep)
+    simulator: dict[str, Any]  # SIMULATOR_FILE ({} if the run did not score its experience model)
 
     def real_transitions(self, label: str) -> int:
         """Real transitions spent on the policy evaluated under `label`: a correction run's, over all its rounds."""
@@ -308,13 +318,15 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     @property
     def from_scratch_seconds(self) -> float | None:
         """What its pipeline costs with nothing cached: the time each of its stages took when it ran (experience
-        model, warm start, synthetic RL, sim-to-real and the held-out games), whichever run ran it. None for a run
+        model, warm start, synthetic RL, sim-to-real, the held-out games and the experience model's scoring),
+        whichever run ran it. None for a run
         kept without the upstream stages' metrics (UPSTREAM_FILES), and for a correction run, which keeps its last
         round's stages but not those of the pipeline its rounds start from."""
         upstream = [kept.get("seconds") for kept in self.upstream]
         if None in upstream or self.correction:
             return None
-        return sum(upstream) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) + sum(
+        return sum(upstream) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
+            + self.simulator.get("seconds", 0.0) + sum(
             entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
             for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)
 
@@ -348,7 +360,7 @@ def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("
                             _read(path / "evaluate_policies.json"),
                             _read(path / "sim_to_real.json"), _read(path / "synthetic_rl.json"),
                             _read(path / RUN_RECORD), read_games(path / KEPT_GAMES), _read(path / CORRECTION_FILE),
-                            [_read(path / name) for name in UPSTREAM_FILES]))
+                            [_read(path / name) for name in UPSTREAM_FILES], _read(path / SIMULATOR_FILE)))
     return runs
 
 
@@ -587,12 +599,15 @@ def runs_table(runs: list[Run]) -> str:
             synthetic.get("iterations", "-"), run.synthetic_transitions("sim-to-real") if synthetic else "-",
             _percent(synthetic["experience_model"]["fallback_rate"]) if "experience_model" in synthetic else "-",
             _confirmed_wins(run) if synthetic else "-",
+            _simulator_false_wins(run),
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
             run.real_transitions("sim-to-real")])
     return markdown_table(["run", "profile", "commit", "wall time (min)", "from scratch (min)",
                            "RL stages' time (min)",
                            "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
-                           "synthetic wins the real game confirms", "sim-to-real from", "real RL iterations",
+                           "synthetic wins the real game confirms",
+                           "simulator's false wins (held-out seed steps; its warm start's play)",
+                           "sim-to-real from", "real RL iterations",
                            "real transitions"], rows)
 
 
@@ -645,6 +660,16 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
                "kept it, else their wall time, so the total is what the rows cost on fresh machines. Each command runs "
                f"that row alone; `{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
     return total + markdown_table(["row", "status", "minutes (finished: wall time; else estimate)", "command"], rows)
+
+
+def _simulator_false_wins(run: Run) -> str:
+    """The experience model's false wins (a reward where the game gave none) among the unrewarded steps it scored:
+    on held-out seed steps and on the warm start's play of held-out games (evaluate_experience_model)."""
+    if not run.simulator:
+        return "not scored: " + run.record["simulator_not_scored"] if "simulator_not_scored" in run.record else "-"
+    scored = [run.simulator.get("experience model", {}).get("overall", {}),
+              run.simulator.get("on_policy", {}).get("experience model", {}).get("overall", {})]
+    return "; ".join(f"{part['false_wins']}/{part['unrewarded_n']}" if "false_wins" in part else "-" for part in scored)
 
 
 def _confirmed_wins(run: Run) -> str:
