@@ -197,6 +197,8 @@ def test_refused_commands_get_a_quarter_of_the_sample_after_outcomes_and_lookali
     assert [t.action for t in sample] == ["eat meal", "drop knife 0", "drop knife 1", "look 0", "look 1", "look 2",
                                           "look 3", "look 4"]  # at most 8 // 4 refusals
     assert score_predictions(refused[:1], [Guess("You drop the knife.", 0.0, False)])[OVERALL]["refused_n"] == 1
+    # a policy whose every command was refused still gets its steps scored: the caps order the sample, never empty it
+    assert [t.action for t in outcomes_first_sample(refused, 2)] == ["drop knife 0", "drop knife 1"]
 
 
 # ---------------------------------------------------------------------------------------------------- baselines

@@ -92,8 +92,9 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
 
 def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
     """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, up to a
-    quarter look-alikes (`is_lookalike`), up to a quarter commands the environment refused, the rest ordinary, each
-    kind in file order.
+    quarter look-alikes (`is_lookalike`), up to a quarter commands the environment refused, the rest ordinary (then,
+    where too few are, what the other kinds have left: a capped kind never empties the sample), each kind in file
+    order.
 
     Why: outcomes are 2-3% of steps, so the first N steps hold almost none, and reward and done accuracy would only
     measure "predicts nothing happens". Look-alikes test that a reward is earned by the state, not by the command
@@ -108,11 +109,11 @@ def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: i
         (outcomes if is_outcome(t.reward, t.done) else alike if is_lookalike(t, rewarded)
          else refused if t.info.get("valid_action") is False else ordinary).append(t)
     sample = []
+    half, quarter = per_environment // 2, per_environment // 4
     for outcomes, alike, refused, ordinary in groups.values():
-        chosen = outcomes[:per_environment // 2]
-        chosen += alike[:per_environment // 4]
-        chosen += refused[:per_environment // 4]
-        sample += chosen + ordinary[:per_environment - len(chosen)]
+        chosen = outcomes[:half] + alike[:quarter] + refused[:quarter]
+        rest = ordinary + refused[quarter:] + alike[quarter:] + outcomes[half:]
+        sample += chosen + rest[:per_environment - len(chosen)]
     return sample
 
 
