@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # by one must not take the other's draws)
 TORCH_RANDOM = threading.RLock()
 
+
 def stream_seed(*parts: int) -> int:
     """A sampling seed made of integers (a run's seed, an iteration, an episode, a turn): the same in every process,
     as Python hashes a tuple of integers without its per-process salt."""

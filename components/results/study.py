@@ -319,9 +319,8 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     def from_scratch_seconds(self) -> float | None:
         """What its pipeline costs with nothing cached: the time each of its stages took when it ran (experience
         model, warm start, synthetic RL, sim-to-real, the held-out games and the experience model's scoring),
-        whichever run ran it. None for a run
-        kept without the upstream stages' metrics (UPSTREAM_FILES), and for a correction run, which keeps its last
-        round's stages but not those of the pipeline its rounds start from."""
+        whichever run ran it. None for a run kept without the upstream stages' metrics (UPSTREAM_FILES), and for a
+        correction run, which keeps its last round's stages but not those of the pipeline its rounds start from."""
         upstream = [kept.get("seconds") for kept in self.upstream]
         if None in upstream or self.correction:
             return None

@@ -90,6 +90,12 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
             for t in transitions(trajectory, history_length)]
 
 
+def is_refused(t: Transition) -> bool:
+    """Whether the environment refused the step's command (step info `valid_action` false, as the real adapters
+    record it)."""
+    return t.info.get("valid_action") is False
+
+
 def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
     """At most `per_environment` transitions of each environment: up to half of them rewarded or terminal, up to a
     quarter look-alikes (`is_lookalike`), up to a quarter commands the environment refused, the rest ordinary (then,
@@ -107,7 +113,7 @@ def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: i
     for t in transitions_:
         outcomes, alike, refused, ordinary = groups[t.task.environment]
         (outcomes if is_outcome(t.reward, t.done) else alike if is_lookalike(t, rewarded)
-         else refused if t.info.get("valid_action") is False else ordinary).append(t)
+         else refused if is_refused(t) else ordinary).append(t)
     sample = []
     half, quarter = per_environment // 2, per_environment // 4
     for outcomes, alike, refused, ordinary in groups.values():
@@ -178,7 +184,7 @@ def score_predictions(transitions_: Sequence[Transition], predictions: Sequence[
             "done": bool(p.done) == bool(t.done),
             "terminal": bool(t.done),
             "lookalike": is_lookalike(t, rewarded),
-            "refused": t.info.get("valid_action") is False,
+            "refused": is_refused(t),
         })
     if encoder is not None and rows:
         predicted = encoder.encode([p.next_state for p in predictions])
