@@ -105,6 +105,7 @@ def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
                                                  "textworld-cooking/real-grpo-seed0",
                                                  "textworld-cooking/dreamgym-ppo-seed0"]
     assert len(planned) == 2 * 2 * 8 and planned[-1].name == "miniwob/s2r-correction-seed1"
+    assert planned[8].name == "miniwob/dreamgym-grpo-seed0"  # seed 0 everywhere before seed 1
     real = planned[1]
     assert real.overrides == run_overrides(real.variant, 0, 700, 0.1, environment="textworld-cooking")
     # the cpu profile's budget pays for the correction row: 70 = one sim-to-real iteration (28) + 3 rounds x 14

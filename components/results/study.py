@@ -165,13 +165,14 @@ class PlannedRun:
 
 
 def plan(params: Any, sim_to_real_iteration: int) -> list[PlannedRun]:
-    """Every run params.yaml's `study` asks for, in the order it runs them: per environment, per seed, each variant
+    """Every run params.yaml's `study` asks for, in the order it runs them: per seed, per environment, each variant
     (`select_variants`) with its `run_overrides` (`sim_to_real_iteration`: the real transitions one sim-to-real
-    iteration may spend, stages.sim_to_real.iteration_cost)."""
+    iteration may spend, stages.sim_to_real.iteration_cost). Seed first: every row is measured once, on every
+    environment, before any is repeated, so a study cut short still has each row's cost and a first answer."""
     settings, correction_rounds, max_turns = params.study, params.correction.rounds, params.policy.max_turns
     planned = []
-    for environment in settings.environments:
-        for seed in settings.seeds:
+    for seed in settings.seeds:
+        for environment in settings.environments:
             for variant in select_variants(tuple(settings.algorithms), settings.variants):
                 if variant.target == "correction_rounds" and not correction_rounds:
                     planned.append(PlannedRun(environment, seed, variant, None, "correction.rounds is 0", True))
