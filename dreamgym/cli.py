@@ -349,7 +349,7 @@ def _study(args: argparse.Namespace, params) -> int:
             from flows.study import results_study_flow
             return _run(lambda: results_study_flow(rows=args.rows))
         metrics, _ = study.write_report(results_dir, params.evaluate.confidence, algorithms, planned=planned,
-                                        profile=profile)
+                                        profile=profile, budget=study.run_budget(params))
     except ParamsError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNUSABLE

@@ -175,8 +175,9 @@ def seed_data(data_dir: str) -> None:
 
 @task
 def report(results_dir: Path, confidence: float, algorithms: tuple[str, ...], planned: list[study.PlannedRun],
-           profile: str) -> dict:
-    metrics, text = study.write_report(results_dir, confidence, algorithms, planned=planned, profile=profile)
+           profile: str, budget: str) -> dict:
+    metrics, text = study.write_report(results_dir, confidence, algorithms, planned=planned, profile=profile,
+                                       budget=budget)
     create_markdown_artifact(key="results-study", markdown=text, description="The paper's Table 1, ours")
     get_run_logger().info("results study: %s (metrics/results_study.json, artifact results-study)",
                           results_dir / "README.md")
@@ -234,7 +235,7 @@ def results_study_flow(rows: list[str] | None = None) -> dict:
     for name, run_dir, flow_run_id in submitted:  # in the order submitted; the workers run them at once
         if not keep_row(name, flow_run_id, run_dir, return_state=True).is_completed():
             failed.append(name)
-    metrics = report(results_dir, confidence, tuple(settings.algorithms), planned, profile)
+    metrics = report(results_dir, confidence, tuple(settings.algorithms), planned, profile, study.run_budget(params))
     if failed:
         raise StageError(f"results study: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are above; "
                            "a rerun of the flow runs them again and skips the finished ones)")

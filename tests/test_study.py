@@ -19,6 +19,7 @@ from components.results.study import (
     paired_games,
     plan,
     report,
+    run_budget,
     run_overrides,
     select_rows,
     select_variants,
@@ -139,10 +140,17 @@ def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_comman
     (results / "miniwob" / "dreamgym-grpo-seed0" / "run.json").write_text(json.dumps(
         {"seconds": 60.0, "profile": "cpu", "params_set": {"sim_to_real.real_transitions": 70}}))
     _run(results, "real-grpo-seed1", {"sim-to-real": {tw: _evaluation(1, 4)}})  # the older flat layout: no row
-    planned = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "real-grpo", "s2r-correction"],
-                              environments=[tw, "miniwob"], real_budget=336), 28)
+    params = _cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "real-grpo", "s2r-correction"],
+                        environments=[tw, "miniwob"], real_budget=336)
+    planned = plan(params, 28)
 
-    _, text = report(results, 0.95, ("grpo", "ppo"), planned, "cpu")
+    _, text = report(results, 0.95, ("grpo", "ppo"), planned, "cpu", run_budget(params))
+
+    # what every row may spend, from the params (cpu: 6 iterations of 2 tasks x 4 episodes of at most 14 turns)
+    assert "## Planned runs\n\nEach row's budget: synthetic RL plays 6 iterations of 2 tasks x 4 episodes in the " \
+           "experience model (at most 672 synthetic transitions, 14 turns an episode); real-environment RL spends up " \
+           "to B = 336 real transitions, DreamGym-S2R and its correction row up to 33 (10% of B); each policy plays " \
+           "200 held-out games per environment." in text
 
     assert "1 of 12 planned runs finished; 6 to run, about 1.5 h by the finished runs of their variants (5 of a " \
            "variant with no finished run on its environment yet)" in text

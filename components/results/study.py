@@ -187,6 +187,19 @@ def plan(params: Any, sim_to_real_iteration: int) -> list[PlannedRun]:
     return planned
 
 
+def run_budget(params: Any) -> str:
+    """What params.yaml gives every row to spend, as a sentence for the report: synthetic RL's iterations and the
+    synthetic transitions they may play, the real budgets, the held-out games per policy."""
+    rl, settings, turns = params.synthetic_rl, params.study, params.policy.max_turns
+    episodes = rl.iterations * rl.tasks_per_iteration * rl.group_size
+    return (f"Each row's budget: synthetic RL plays {rl.iterations} iterations of {rl.tasks_per_iteration} tasks x "
+            f"{rl.group_size} episodes in the experience model (at most {episodes * turns} synthetic transitions, "
+            f"{turns} turns an episode); real-environment RL spends up to B = {settings.real_budget} real "
+            f"transitions, DreamGym-S2R and its correction row up to {int(settings.s2r_share * settings.real_budget)} "
+            f"({settings.s2r_share:.0%} of B); each policy plays {params.policy.eval_tasks} held-out games per "
+            "environment. The runs table gives what each row spent and its wall time.")
+
+
 def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = (),
                 variants_set: list[str] | tuple[str, ...] = ()) -> list[PlannedRun]:
     """The planned runs named `<environment>/<variant>-seed<k>` (all of them when none is named); ParamsError
@@ -719,10 +732,12 @@ def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:
 
 
 def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
-           planned: list[PlannedRun] | None = None, profile: str = "custom") -> tuple[dict[str, Any], str]:
+           planned: list[PlannedRun] | None = None, profile: str = "custom", budget: str = ""
+           ) -> tuple[dict[str, Any], str]:
     """The study's metrics and markdown report, with its plots written into `results_dir`; with `planned` (`plan` of
-    params.yaml at `profile`), a section on every planned run, finished or not, unless the kept runs were made at
-    another profile (another study's, such as a first edition's, which these params do not plan)."""
+    params.yaml at `profile`) and its `budget` (`run_budget`), a section on every planned run, finished or not,
+    unless the kept runs were made at another profile (another study's, such as a first edition's, which these
+    params do not plan)."""
     results_dir = Path(results_dir)
     runs = finished_runs(results_dir, algorithm_names)
     profiles = {run.name: run.record.get("profile", "custom") for run in runs}
@@ -749,26 +764,27 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
             + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
             + f"\n## Runs\n\n{runs_table(runs)}"
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
-            + _plan_section(planned, runs, profile, others))
+            + _plan_section(planned, runs, profile, others, budget))
     return metrics, text
 
 
-def _plan_section(planned: list[PlannedRun] | None, runs: list[Run], profile: str, others: set[str]) -> str:
+def _plan_section(planned: list[PlannedRun] | None, runs: list[Run], profile: str, others: set[str],
+                  budget: str) -> str:
     if not planned:
         return ""
     if others:
         return (f"\nPlanned runs: not listed. These runs were made at profile {', '.join(sorted(others))} and the plan "
                 f"is params.yaml's, at profile {profile}.\n")
-    return f"\n## Planned runs\n\n{plan_table(planned, runs, profile)}"
+    return f"\n## Planned runs\n\n{budget + ' ' if budget else ''}{plan_table(planned, runs, profile)}"
 
 
 def write_report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
-                 root: str | Path = ".", planned: list[PlannedRun] | None = None, profile: str = "custom"
-                 ) -> tuple[dict[str, Any], str]:
+                 root: str | Path = ".", planned: list[PlannedRun] | None = None, profile: str = "custom",
+                 budget: str = "") -> tuple[dict[str, Any], str]:
     """`report`, written: README.md in `results_dir`, and the results_study stage outputs in `root` (metrics JSON and
     CSV, reports/results_study.md with its plots beside it)."""
     results_dir = Path(results_dir)
-    metrics, text = report(results_dir, confidence, algorithm_names, planned, profile)
+    metrics, text = report(results_dir, confidence, algorithm_names, planned, profile, budget)
     results_dir.mkdir(parents=True, exist_ok=True)  # no run may have finished yet
     (results_dir / "README.md").write_text(text, encoding="utf-8")
     write_stage_outputs("results_study", metrics, text, root)
