@@ -69,14 +69,14 @@ def run_record(name: str, overrides: dict, profile: str, started: float, cwd: st
 def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, cwd: str | Path | None = None
             ) -> str | None:
     """The row's `dvc exp run` up to `target`, then, for a row whose policies come from synthetic RL, the scoring of
-    its experience model in a run of its own, so that the model's failure budget stopping it loses none of the row's
-    evaluation; why the model was not scored, or None. Rows sharing an experience model score it once: DVC restores
-    the others from its run cache."""
+    its experience model in a run of its own (`study.scoring_overrides`: fallbacks measured, not a reason to stop),
+    so that its failing loses none of the row's evaluation; why the model was not scored, or None. Rows sharing an
+    experience model score it once: DVC restores the others from its run cache."""
     run_logged(run_command(overrides, target), cwd=cwd)
     if not measures_simulator:
         return None
     try:
-        run_logged(run_command(overrides, "evaluate_experience_model"), cwd=cwd)
+        run_logged(run_command(study.scoring_overrides(overrides), "evaluate_experience_model"), cwd=cwd)
     except RuntimeError:
         get_run_logger().warning("%s: evaluate_experience_model failed (its output is above); the row is kept "
                                  "without the simulator's fidelity", name)

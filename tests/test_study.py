@@ -230,7 +230,8 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     metrics_dir.mkdir()
     (metrics_dir / "evaluate_policies.json").write_text(json.dumps({"synthetic_grpo": {tw: _evaluation(2, 4)}}))
     (metrics_dir / "evaluate_experience_model.json").write_text(json.dumps(
-        {"seconds": 420.0, "experience model": {"overall": {"false_wins": 0, "unrewarded_n": 27}},
+        {"seconds": 420.0, "prediction": {"fallbacks": 7, "requests": 64},
+         "experience model": {"overall": {"false_wins": 0, "unrewarded_n": 27}},
          "on_policy": {"experience model": {"overall": {"false_wins": 1, "unrewarded_n": 26}}}}))
     results = tmp_path / "results"
 
@@ -241,7 +242,7 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     assert (scored / "evaluate_experience_model.json").is_file()
     assert not (unscored / "evaluate_experience_model.json").exists()
     text = report(results, 0.95, ("grpo",))[1]
-    assert "| dreamgym-grpo-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | 0/27; 1/26 |" in text
+    assert "| dreamgym-grpo-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | 0/27; 1/26 (fallbacks 7/64) |" in text
     assert "| no-retrieval-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | not scored: it failed |" in text
 
 

@@ -126,6 +126,13 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
     return overrides
 
 
+def scoring_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The params of a row's scoring of its experience model (evaluate_experience_model): the row's, with no
+    fallback budget. Why: there the fallbacks are what is measured (the runs table shows their share), and a model
+    over the budget that synthetic RL kept would otherwise go unscored; the stages that train on it keep the budget."""
+    return {**overrides, "experience_model.max_fallback_rate": 1.0}
+
+
 # kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs (a correction
 # run's: its last round's), and the correction rounds' summary
 RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
@@ -619,7 +626,8 @@ def runs_table(runs: list[Run]) -> str:
                            "RL stages' time (min)",
                            "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
                            "synthetic wins the real game confirms",
-                           "simulator's false wins (held-out seed steps; its warm start's play)",
+                           "simulator's false wins (held-out seed steps; its warm start's play; fallbacks of its "
+                           "predictions)",
                            "sim-to-real from", "real RL iterations",
                            "real transitions"], rows)
 
@@ -682,7 +690,10 @@ def _simulator_false_wins(run: Run) -> str:
         return "not scored: " + run.record["simulator_not_scored"] if "simulator_not_scored" in run.record else "-"
     scored = [run.simulator.get("experience model", {}).get("overall", {}),
               run.simulator.get("on_policy", {}).get("experience model", {}).get("overall", {})]
-    return "; ".join(f"{part['false_wins']}/{part['unrewarded_n']}" if "false_wins" in part else "-" for part in scored)
+    text = "; ".join(f"{part['false_wins']}/{part['unrewarded_n']}" if "false_wins" in part else "-" for part in scored)
+    if prediction := run.simulator.get("prediction"):  # a fallback predicts no reward: it is never a false win
+        text += f" (fallbacks {prediction['fallbacks']}/{prediction['requests']})"
+    return text
 
 
 def _confirmed_wins(run: Run) -> str:
