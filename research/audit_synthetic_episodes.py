@@ -4,8 +4,10 @@ games (the replay audit evaluate_policies makes once the stage is done, on the e
     python research/audit_synthetic_episodes.py [models/policy/rl/checkpoints/episodes.jsonl] [--environment NAME]
 
 Uses params.yaml and data/ of this checkout: each episode is replayed on its real training task. Prints the
-outcome agreement (synthetic wins the game confirms: `both`) and, for each synthetic win, its actions and the real
-game's last answer. Cost: the real game's steps only (TextWorld: seconds).
+outcome agreement (synthetic wins the game confirms: `both`), for each synthetic win its actions and the real game's
+last answer, and where each false win parts from the game: at the first command the game refused that the simulator
+answered otherwise, or else at the first step whose reward or end differs. Cost: the real game's steps only (TextWorld:
+seconds).
 """
 import argparse
 import json
@@ -16,6 +18,7 @@ from components.config import load_params
 from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories
 from components.envs.registry import real_environment
 from components.results.evaluation import outcome_agreement, replay_in_real
+from components.simulator.fidelity import is_refused
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("episodes", nargs="?", default="models/policy/rl/checkpoints/episodes.jsonl")
@@ -35,3 +38,25 @@ for synthetic, replayed in zip(episodes, real, strict=True):
     if synthetic.success:
         answer = replayed.steps[-1].next_state.split("Observation:")[-1].strip().splitlines()[0]
         print(f"synthetic win, real {replayed.success}: {[s.action for s in synthetic.steps]} -> {answer!r}")
+
+
+def parting(synthetic: Trajectory, replayed: Trajectory) -> str:
+    """Where a synthetic win the game does not give first parts from the game's replay: a command the game refused
+    that the simulator answered otherwise (it let the command through), else a step whose reward or end differs."""
+    def reply(step) -> str:  # the observation's first line: a refusal's wording is the game's own
+        return step.next_state.split("Observation:")[-1].strip().splitlines()[0] if step.next_state.strip() else ""
+
+    for index, (sim, game) in enumerate(zip(synthetic.steps, replayed.steps)):
+        if is_refused(game) and reply(sim) != reply(game):
+            return f"refused at step {index + 1}: {game.action!r} (game: {reply(game)!r}; simulator: {reply(sim)!r})"
+        if (sim.reward, sim.done) != (game.reward, game.done):
+            return f"outcome at step {index + 1}: {game.action!r} (simulator {sim.reward}/{sim.done}, game " \
+                   f"{game.reward}/{game.done})"
+    return f"the game ended first, after {len(replayed.steps)} of {len(synthetic.steps)} steps"
+
+
+false_wins = [(s, r) for s, r in zip(episodes, real, strict=True) if s.success and not r.success]
+kinds = Counter(parting(s, r).split(" at ")[0].split(",")[0] for s, r in false_wins)
+print(f"false wins: {len(false_wins)}; where they part from the game: {dict(kinds)}")
+for synthetic, replayed in false_wins:
+    print("  ", parting(synthetic, replayed))
