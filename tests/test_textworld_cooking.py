@@ -26,6 +26,7 @@ from components.envs.textworld_cooking import (  # noqa: E402
     make_task,
     make_tasks,
     malformed,
+    misdirected,
     noisy_expert_policy,
     random_policy,
     skipping_expert_policy,
@@ -145,11 +146,12 @@ def test_random_policy_rarely_wins(env: TextWorldCooking, heldout: list) -> None
     for trajectory in trajectories:
         check_contract(trajectory)
     assert sum(t.success for t in trajectories) <= 1
-    # About a quarter of its commands are malformed: the real game's answer to nonsense, never a reward.
+    # About a quarter of its commands are not admissible (malformed or misdirected): the real game's answer to them,
+    # hardly ever an outcome (the parser can read a swapped pair: `cook potato red with oven` roasts the potato)
     steps = [step for trajectory in trajectories for step in trajectory.steps]
-    malformed_steps = [step for step in steps if not step.info["valid_action"]]
-    assert 0.1 < len(malformed_steps) / len(steps) < 0.4
-    assert all(step.reward == 0 and not step.done for step in malformed_steps)
+    refused = [step for step in steps if not step.info["valid_action"]]
+    assert 0.1 < len(refused) / len(steps) < 0.4
+    assert sum(step.reward != 0 or step.done for step in refused) <= 1
 
 
 def test_random_policy_weights_consequential_commands_up() -> None:
@@ -174,6 +176,39 @@ def test_malformed_commands_keep_the_words_and_letters() -> None:
             changed = malformed(action, rng)
             assert sorted(changed.replace(" ", "")) == sorted(action.replace(" ", ""))
             assert len(changed.split()) == len(action.split())
+
+
+def test_misdirected_commands_swap_a_thing_of_the_same_role_and_are_not_admissible() -> None:
+    commands = ("take red potato from counter", "take knife from counter", "open fridge", "drop yellow apple",
+                "slice yellow apple with knife", "cook yellow apple with stove", "go north", "prepare meal")
+    rng = random.Random(0)
+    made = {misdirected(action, commands, rng) for action in commands for _ in range(10)}
+    assert None in made  # `go north` and `prepare meal` name no thing to swap
+    made.discard(None)
+    assert made and not made & set(commands)
+    assert "take red potato from fridge" in made and "drop red potato" in made  # a place, an object
+    assert "slice yellow apple with stove" in made  # a tool
+    assert not {command for command in made if "north" in command or "meal" in command}
+    assert all(command.split()[0] in {c.split()[0] for c in commands} for command in made)
+
+
+def test_the_game_refuses_misdirected_commands_and_the_walkthrough_still_wins(env: TextWorldCooking,
+                                                                             heldout: list) -> None:
+    """A misdirected command before every walkthrough step: the game refuses each (no reward, not over), the
+    walkthrough then wins: they are mistakes the seed can show at any point of a game."""
+    rng, refused = random.Random(0), 0
+    for task in heldout[:3]:
+        observation = env.reset(task)
+        for step in list(env.walkthrough):
+            mistake = misdirected(rng.choice(observation.valid_actions), observation.valid_actions, rng)
+            if mistake is not None:
+                result = env.step(mistake)
+                assert not result.info["valid_action"] and result.reward == 0 and not result.done, mistake
+                refused += 1
+            result = env.step(step)
+            observation = result.observation
+        assert result.done and result.info["won"]
+    assert refused >= 15
 
 
 def test_noisy_expert_stays_on_the_walkthrough_without_noise(env: TextWorldCooking, heldout: list) -> None:

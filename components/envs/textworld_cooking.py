@@ -334,8 +334,11 @@ def expert_policy(env: TextWorldCooking) -> Policy:
     return act
 
 
-def noisy_expert_policy(env: TextWorldCooking, epsilon: float, rng: random.Random) -> Policy:
-    """With probability `epsilon` a random admissible command, else the walkthrough's next step.
+def noisy_expert_policy(env: TextWorldCooking, epsilon: float, rng: random.Random,
+                        misdirected_share: float = 0.25) -> Policy:
+    """With probability `epsilon` a detour, else the walkthrough's next step. A detour is a random admissible
+    command or, with probability `misdirected_share`, a `misdirected` one the game refuses: a mistake made in the
+    middle of a game, where a policy makes them.
 
     The walkthrough position advances only when its next step is played (by choice or by chance), so after a
     random detour the expert resumes where it left off. That often still wins (most detours, like `examine oven`,
@@ -354,7 +357,10 @@ def noisy_expert_policy(env: TextWorldCooking, epsilon: float, rng: random.Rando
         if following and rng.random() >= epsilon:
             action = walkthrough[position]
         else:
-            action = rng.choice(observation.valid_actions or ("look",))
+            commands = observation.valid_actions or ("look",)
+            action = rng.choice(commands)
+            if rng.random() < misdirected_share:
+                action = misdirected(action, commands, rng) or action
         if following and action == walkthrough[position]:
             position += 1
         return action
@@ -389,8 +395,10 @@ def skipping_expert_policy(env: TextWorldCooking, rng: random.Random) -> Policy:
 CONSEQUENTIAL_VERBS = frozenset({"eat", "drink", "cook", "slice", "dice", "chop", "prepare"})
 
 
-def random_policy(rng: random.Random, malformed_share: float = 0.25, consequential_weight: float = 4.0) -> Policy:
-    """A random admissible command, or with probability `malformed_share` a malformed one.
+def random_policy(rng: random.Random, malformed_share: float = 0.25, consequential_weight: float = 4.0,
+                  misdirected_share: float = 0.5) -> Policy:
+    """A random admissible command, or with probability `malformed_share` one the game refuses: `misdirected`
+    (well-formed, with probability `misdirected_share`) or `malformed`.
 
     Commands starting with a `CONSEQUENTIAL_VERBS` verb are `consequential_weight` times as likely as the others.
     Drawn uniformly they were rare (8 eats and 72 cooks in 1,633 seed steps, one or two among ~30 admissible
@@ -400,13 +408,63 @@ def random_policy(rng: random.Random, malformed_share: float = 0.25, consequenti
     Malformed commands (a word of an admissible command with its letters shuffled, or two of its words swapped)
     put the game's answer to nonsense in the seed data: an RL policy sampling at temperature 1 writes such
     actions, and an experience model that never saw one may reward them (it did: `chowinethome` "won" a game).
+    Misdirected commands put the game's answer to a sensible command the state does not allow in the seed data.
     """
     def act(task: Task, observation: Observation, history: Sequence[tuple[str, str]]) -> str:
         commands = observation.valid_actions or ("look",)
         weights = [consequential_weight if command.split()[0] in CONSEQUENTIAL_VERBS else 1.0 for command in commands]
         action = rng.choices(commands, weights)[0]
-        return malformed(action, rng) if rng.random() < malformed_share else action
+        if rng.random() >= malformed_share:
+            return action
+        return (rng.random() < misdirected_share and misdirected(action, commands, rng)) or malformed(action, rng)
     return act
+
+
+# The words that join a command's object to its place or tool (`take X from Y`, `slice X with Y`).
+_JOINS = re.compile(r" (from|into|on|with) ")
+_PLACE_VERBS = frozenset({"open", "close"})  # their object is a place
+_NO_THING_VERBS = frozenset({"go", "prepare", "look", "inventory"})  # a direction or nothing: no thing to swap
+
+
+def _things(command: str) -> tuple[str, list[str], list[tuple[int, str]]]:
+    """A command's verb, its rest split at the joining words ([thing, join, thing, ...]), and the (index in that
+    list, role) of each thing it names: `object`, `place` (taken from, put on or into, opened) or `tool`."""
+    verb, _, rest = command.partition(" ")
+    if verb in _NO_THING_VERBS or not rest:
+        return verb, [], []
+    parts = _JOINS.split(rest)
+    roles = [(0, "place" if verb in _PLACE_VERBS else "object")]
+    roles += [(index, "tool" if parts[index - 1] == "with" else "place") for index in range(2, len(parts), 2)]
+    return verb, parts, roles
+
+
+def misdirected(action: str, commands: Sequence[str], rng: random.Random, tries: int = 10) -> str | None:
+    """`action` with one thing it names replaced by another thing of the same role (object, place or tool) that the
+    admissible `commands` name, such that the result is not admissible, so the game refuses it (`take red potato
+    from counter` once the potato is held, `drop knife` with no knife); None when no such command comes of `tries`
+    draws.
+
+    Why: the experience model let such commands succeed (`You take the red potato from the counter.`), and each of
+    the 34 synthetic wins of the CPU study's seed-0 DreamGym runs that the real game does not give went through one
+    (reports/results_study/cpu/session27.md); the seed's refused commands were misspelt, hardly ever sensible.
+    """
+    verb, parts, roles = _things(action)
+    things: dict[str, set[str]] = {}
+    for command in commands:
+        _, other_parts, other_roles = _things(command)
+        for index, role in other_roles:
+            things.setdefault(role, set()).add(other_parts[index])
+    allowed = set(commands)
+    for _ in range(tries if roles else 0):
+        index, role = rng.choice(roles)
+        others = sorted(things[role] - {parts[index]})
+        if not others:
+            continue
+        changed = parts[:index] + [rng.choice(others)] + parts[index + 1:]
+        candidate = f"{verb} " + "".join(f" {part} " if i % 2 else part for i, part in enumerate(changed))
+        if candidate not in allowed:
+            return candidate
+    return None
 
 
 def malformed(action: str, rng: random.Random) -> str:

@@ -1,0 +1,87 @@
+"""Does the experience model refuse what the real game refuses, on the states a policy reaches?
+
+    python research/refusal_probes.py build EPISODES.jsonl... --out PROBES.jsonl   # replays, once
+    python research/refusal_probes.py score PROBES.jsonl                            # this checkout's model
+
+`build` replays synthetic RL's episodes (`{"trajectory": ...}` lines, as models/policy/rl/checkpoints/episodes.jsonl
+and research/audit_synthetic_episodes.py read them) action by action in the real games of their training tasks and
+keeps the replays. `score` asks the experience model of this checkout (params.yaml, its buffer) for the first step
+of each replay that the game refused (up to it, the synthetic episode and the game agreed on what the policy did;
+after it their states part), with the history the replay had, and prints how many it answers as the game did: the
+same first line of the observation (the game's refusal), the inventory unchanged, no reward, not over. Cost: the
+real game's steps (seconds) to build; one experience-model call per refused step to score.
+
+The probes are steps of training tasks, replayed: they only measure here, and nothing adds them to any data.
+"""
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from components.builders import experience_predictor, saved_buffer
+from components.config import load_params
+from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories, transitions, write_trajectories
+from components.envs.registry import real_environment
+from components.results.evaluation import replay_in_real
+from components.simulator.experience_model import PredictionStats
+from components.simulator.fidelity import is_refused
+
+
+def reply(state: str) -> str:
+    """The observation's first line: a refusal's wording is the game's own."""
+    return state.split("Observation:")[-1].strip().splitlines()[0] if state.strip() else ""
+
+
+def inventory(state: str) -> str:
+    return next((line for line in state.splitlines() if line.startswith("Inventory:")), "")
+
+
+def build(episode_files: list[str], out: str) -> None:
+    params = load_params("params.yaml")
+    tasks = {t.task.task_id: t.task for t in read_trajectories(f"{params.data.dir}/{TRAJECTORIES}")}
+    episodes = [Trajectory.from_dict(json.loads(line)["trajectory"]) for name in episode_files
+                for line in open(name, encoding="utf-8")]
+    episodes = [replace(e, task=tasks[e.task.task_id]) for e in episodes if e.task.task_id in tasks]
+    by_environment: dict[str, list[Trajectory]] = {}
+    for episode in episodes:
+        by_environment.setdefault(episode.task.environment, []).append(episode)
+    replays = [replay for name, group in by_environment.items()
+               for replay in replay_in_real(real_environment(name), params.environments, group, progress=None)]
+    write_trajectories(replays, Path(out))
+    refused = sum(is_refused(t) for replay in replays for t in transitions(replay))
+    print(f"{out}: {len(replays)} replays, {refused} refused steps")
+
+
+def score(probes: str) -> dict:
+    params = load_params("params.yaml")
+    history = params.experience_model.prompt.history_length
+    steps = [first for replay in read_trajectories(Path(probes))
+             if (first := next((t for t in transitions(replay, history) if is_refused(t)), None)) is not None]
+    stats = PredictionStats()
+    predictions = experience_predictor(params, Path("."), saved_buffer(params, Path(".")), stats)(steps)
+    rows = [{"action": t.action, "game": reply(t.next_state), "model": reply(p.next_state),
+             "same_reply": reply(p.next_state) == reply(t.next_state),
+             "inventory_kept": inventory(p.next_state) == inventory(t.state),
+             "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback}
+            for t, p in zip(steps, predictions, strict=True)]
+    summary = {"model": params.models.experience, "refused_steps": len(rows),
+               **{key: sum(row[key] for row in rows) for key in
+                  ("same_reply", "inventory_kept", "rewarded", "ended", "fallback")},
+               "take_from": sum(row["action"].startswith("take ") and " from " in row["action"] for row in rows),
+               "take_from_same_reply": sum(row["same_reply"] for row in rows
+                                           if row["action"].startswith("take ") and " from " in row["action"])}
+    for row in rows:
+        print(json.dumps(row))
+    print(json.dumps(summary))
+    return summary
+
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("action", choices=["build", "score"])
+parser.add_argument("files", nargs="+")
+parser.add_argument("--out", default="probes.jsonl")
+args = parser.parse_args()
+if args.action == "build":
+    build(args.files, args.out)
+else:
+    score(args.files[0])
