@@ -194,13 +194,13 @@ def test_misdirected_commands_swap_a_thing_of_the_same_role_and_are_not_admissib
 
 def test_the_game_refuses_misdirected_commands_and_the_walkthrough_still_wins(env: TextWorldCooking,
                                                                              heldout: list) -> None:
-    """A misdirected command before every walkthrough step: the game refuses each (no reward, not over), the
-    walkthrough then wins: they are mistakes the seed can show at any point of a game."""
+    """Each walkthrough step misdirected before it is played (as the noisy expert's mistakes are): the game refuses
+    each (no reward, not over), and the walkthrough then wins: they are mistakes the seed can show anywhere."""
     rng, refused = random.Random(0), 0
     for task in heldout[:3]:
         observation = env.reset(task)
         for step in list(env.walkthrough):
-            mistake = misdirected(rng.choice(observation.valid_actions), observation.valid_actions, rng)
+            mistake = misdirected(step, observation.valid_actions, rng)
             if mistake is not None:
                 result = env.step(mistake)
                 assert not result.info["valid_action"] and result.reward == 0 and not result.done, mistake

@@ -335,10 +335,11 @@ def expert_policy(env: TextWorldCooking) -> Policy:
 
 
 def noisy_expert_policy(env: TextWorldCooking, epsilon: float, rng: random.Random,
-                        misdirected_share: float = 0.25) -> Policy:
+                        mistake_share: float = 0.5) -> Policy:
     """With probability `epsilon` a detour, else the walkthrough's next step. A detour is a random admissible
-    command or, with probability `misdirected_share`, a `misdirected` one the game refuses: a mistake made in the
-    middle of a game, where a policy makes them.
+    command or, with probability `mistake_share`, a mistake the game refuses: the walkthrough's next step
+    `misdirected`, or its last step again once the game no longer allows it (`take red potato from counter` with
+    the potato held). These are the mistakes a policy trained on walkthroughs makes, in the states it makes them.
 
     The walkthrough position advances only when its next step is played (by choice or by chance), so after a
     random detour the expert resumes where it left off. That often still wins (most detours, like `examine oven`,
@@ -354,13 +355,15 @@ def noisy_expert_policy(env: TextWorldCooking, epsilon: float, rng: random.Rando
             position = 0
         walkthrough = env.walkthrough
         following = position < len(walkthrough)
+        commands = observation.valid_actions or ("look",)
         if following and rng.random() >= epsilon:
             action = walkthrough[position]
         else:
-            commands = observation.valid_actions or ("look",)
             action = rng.choice(commands)
-            if rng.random() < misdirected_share:
-                action = misdirected(action, commands, rng) or action
+            if following and rng.random() < mistake_share:
+                repeated = walkthrough[position - 1] if position and walkthrough[position - 1] not in commands else None
+                mistakes = [m for m in (misdirected(walkthrough[position], commands, rng), repeated) if m]
+                action = rng.choice(mistakes) if mistakes else action
         if following and action == walkthrough[position]:
             position += 1
         return action
@@ -423,6 +426,7 @@ def random_policy(rng: random.Random, malformed_share: float = 0.25, consequenti
 # The words that join a command's object to its place or tool (`take X from Y`, `slice X with Y`).
 _JOINS = re.compile(r" (from|into|on|with) ")
 _PLACE_VERBS = frozenset({"open", "close"})  # their object is a place
+_SIGHT_VERBS = frozenset({"examine"})  # anything in sight, portable or not: its things are no objects
 _NO_THING_VERBS = frozenset({"go", "prepare", "look", "inventory"})  # a direction or nothing: no thing to swap
 
 
@@ -433,7 +437,7 @@ def _things(command: str) -> tuple[str, list[str], list[tuple[int, str]]]:
     if verb in _NO_THING_VERBS or not rest:
         return verb, [], []
     parts = _JOINS.split(rest)
-    roles = [(0, "place" if verb in _PLACE_VERBS else "object")]
+    roles = [(0, "place" if verb in _PLACE_VERBS else "sight" if verb in _SIGHT_VERBS else "object")]
     roles += [(index, "tool" if parts[index - 1] == "with" else "place") for index in range(2, len(parts), 2)]
     return verb, parts, roles
 
