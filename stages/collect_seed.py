@@ -45,7 +45,8 @@ def report(params: Params, collected: list[Trajectory], failures: list[str], see
     settings = params.collect_seed
     return (f"# Seed collection\n\n{settings.train_tasks} training tasks per environment; per task "
             f"{settings.episodes.expert} expert, {settings.episodes.noisy_expert} noisy-expert "
-            f"(epsilon {settings.noisy_epsilon}), {settings.episodes.skipping_expert} skipping-expert (one "
+            f"(epsilon {settings.noisy_epsilon}: a random command or, half the time in TextWorld, a mistake the game "
+            f"refuses), {settings.episodes.skipping_expert} skipping-expert (one "
             f"walkthrough step left out; TextWorld only) and {settings.episodes.random} random episode(s); the noisy "
             f"and skipping experts' source is `policy`. "
             f"Onboard them with `dreamgym data onboard {settings.out_dir}/*.jsonl`.\n\n"

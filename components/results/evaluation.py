@@ -320,7 +320,8 @@ def baseline_report(results: list[EvaluationResult], skipped: list[str], confide
              f"{confidence:.0%} confidence. Return is the sum of step rewards (1.0 on success, else 0); steps "
              "count actions up to success, failure or the step cap. The expert replays a walkthrough (TextWorld) "
              "or a scripted solver (MiniWoB); the random policy is the seed collection's: an admissible command "
-             "(TextWorld; eat, drink, cook, cut and prepare weighted 4x; a quarter of them malformed) or a page "
+             "(TextWorld; eat, drink, cook, cut and prepare weighted 4x; a quarter of them made into one the game "
+             "refuses, misdirected or malformed) or a page "
              f"element (MiniWoB), seeded by the run seed and the task id. {ENV_FAILURES_NOTE}", ""]
     if skipped:
         lines += [f"Skipped (no real-environment adapter; seed-only domains): {', '.join(skipped)}.", ""]
