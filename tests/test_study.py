@@ -230,9 +230,10 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     metrics_dir.mkdir()
     (metrics_dir / "evaluate_policies.json").write_text(json.dumps({"synthetic_grpo": {tw: _evaluation(2, 4)}}))
     (metrics_dir / "evaluate_experience_model.json").write_text(json.dumps(
-        {"seconds": 420.0, "prediction": {"fallbacks": 7, "requests": 64},
+        {"seconds": 420.0, "prediction": {"fallbacks": 2, "requests": 32},
          "experience model": {"overall": {"false_wins": 0, "unrewarded_n": 27}},
-         "on_policy": {"experience model": {"overall": {"false_wins": 1, "unrewarded_n": 26}}}}))
+         "on_policy": {"prediction": {"fallbacks": 5, "requests": 32},
+                       "experience model": {"overall": {"false_wins": 1, "unrewarded_n": 26}}}}))
     results = tmp_path / "results"
 
     scored = keep_run(results / "dreamgym-grpo-seed0", {"seconds": 60.0}, tmp_path, simulator=True)

@@ -691,8 +691,12 @@ def _simulator_false_wins(run: Run) -> str:
     scored = [run.simulator.get("experience model", {}).get("overall", {}),
               run.simulator.get("on_policy", {}).get("experience model", {}).get("overall", {})]
     text = "; ".join(f"{part['false_wins']}/{part['unrewarded_n']}" if "false_wins" in part else "-" for part in scored)
-    if prediction := run.simulator.get("prediction"):  # a fallback predicts no reward: it is never a false win
-        text += f" (fallbacks {prediction['fallbacks']}/{prediction['requests']})"
+    # a fallback predicts no reward: it is never a false win
+    predictions = [part["prediction"] for part in (run.simulator, run.simulator.get("on_policy", {}))
+                   if "prediction" in part]
+    if predictions:
+        text += (f" (fallbacks {sum(p['fallbacks'] for p in predictions)}/"
+                 f"{sum(p['requests'] for p in predictions)})")
     return text
 
 
