@@ -120,7 +120,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "simulator" and args.action == "serve":  # a bundle is all it needs: no project here
         return _serve_simulator(args)
     try:
-        params = load_params(args.params, _overrides(args.set))
+        params = load_params(args.params, set_overrides(args.set))
     except ParamsError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNUSABLE
@@ -258,7 +258,8 @@ def _code_elsewhere() -> list[str]:
                   or (imported / name).read_bytes() != (here / name).read_bytes())
 
 
-def _overrides(items: list[str]) -> dict:
+def set_overrides(items: list[str]) -> dict:
+    """`--set KEY=VALUE` items as the dotted-key overrides load_params takes (each value read as YAML)."""
     pairs = [item.partition("=") for item in items]
     if any(not sep for _, sep, _ in pairs):
         raise ParamsError("--set takes KEY=VALUE, e.g. --set evaluate.workers=1")
@@ -336,7 +337,7 @@ def _study(args: argparse.Namespace, params) -> int:
         if args.profile:
             if args.action == "run":
                 raise ParamsError("`study run` runs the study params.yaml holds: `dreamgym params use PROFILE` first")
-            params = load_params(args.params, {**profile_values(args.profile), **_overrides(args.set)})
+            params = load_params(args.params, {**profile_values(args.profile), **set_overrides(args.set)})
             profile = "custom" if Path(args.profile).suffix else args.profile  # as active_profile names a path's
         if args.action == "report" and args.rows:
             raise ParamsError("`study report` takes no rows: it reports every kept run")

@@ -26,7 +26,7 @@ from components.envs.registry import real_environment
 from components.results.evaluation import replay_in_real
 from components.simulator.experience_model import PredictionStats
 from components.simulator.fidelity import is_refused
-from dreamgym.cli import _overrides
+from dreamgym.cli import set_overrides
 
 
 def reply(state: str) -> str:
@@ -86,4 +86,4 @@ args = parser.parse_args()
 if args.action == "build":
     build(args.files, args.out)
 else:
-    score(args.files[0], _overrides(args.set))
+    score(args.files[0], set_overrides(args.set))
