@@ -9,8 +9,9 @@ keeps the replays. `score` asks the experience model of this checkout (params.ya
 of each replay that the game refused (up to it, the synthetic episode and the game agreed on what the policy did;
 after it their states part), with the history the replay had, and prints how many it answers as the game did: the
 same first line of the observation, or at least a refusal (a line the game answers refused commands with in the
-replays), and how many it rewards, ends or falls back on. Cost: the real game's steps (seconds) to build; one
-experience-model call per probe to score (8.6 min for 94 on one llama.cpp thread).
+replays, with no reward and the episode going on), and how many it rewards, ends or falls back on. Cost: the real
+game's steps (seconds) to build; one experience-model call per probe to score (94 in 8.6 min on one llama.cpp
+thread, 5.7 min on two).
 
 The probes are steps of training tasks, replayed: they only measure here, and nothing adds them to any data.
 """
@@ -62,7 +63,7 @@ def score(probes: str, overrides: dict) -> dict:
     predictions = experience_predictor(params, Path("."), saved_buffer(params, Path(".")), stats)(steps)
     rows = [{"action": t.action, "game": reply(t.next_state), "model": reply(p.next_state),
              "same_reply": reply(p.next_state) == reply(t.next_state),
-             "refused": not p.fallback and reply(p.next_state) in refusals,
+             "refused": not p.fallback and reply(p.next_state) in refusals and p.reward == 0 and not p.done,
              "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback}
             for t, p in zip(steps, predictions, strict=True)]
     summary = {"model": params.models.experience, "refused_steps": len(rows),
