@@ -17,6 +17,7 @@ from dataclasses import replace
 from components.config import load_params
 from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories
 from components.envs.registry import real_environment
+from components.envs.textworld_cooking import game_reply
 from components.results.evaluation import outcome_agreement, replay_in_real
 from components.simulator.fidelity import is_refused
 
@@ -36,19 +37,17 @@ print("episodes by iteration:", dict(sorted(Counter(r["iteration"] for r in rows
 print(json.dumps(outcome_agreement(episodes, real)))
 for synthetic, replayed in zip(episodes, real, strict=True):
     if synthetic.success:
-        answer = replayed.steps[-1].next_state.split("Observation:")[-1].strip().splitlines()[0]
+        answer = game_reply(replayed.steps[-1].next_state)
         print(f"synthetic win, real {replayed.success}: {[s.action for s in synthetic.steps]} -> {answer!r}")
 
 
 def parting(synthetic: Trajectory, replayed: Trajectory) -> str:
     """Where a synthetic win the game does not give first parts from the game's replay: a command the game refused
     that the simulator answered otherwise (it let the command through), else a step whose reward or end differs."""
-    def reply(step) -> str:  # the observation's first line: a refusal's wording is the game's own
-        return step.next_state.split("Observation:")[-1].strip().splitlines()[0] if step.next_state.strip() else ""
-
     for index, (sim, game) in enumerate(zip(synthetic.steps, replayed.steps)):
-        if is_refused(game) and reply(sim) != reply(game):
-            return f"refused at step {index + 1}: {game.action!r} (game: {reply(game)!r}; simulator: {reply(sim)!r})"
+        game_said, simulator_said = game_reply(game.next_state), game_reply(sim.next_state)
+        if is_refused(game) and simulator_said != game_said:
+            return f"refused at step {index + 1}: {game.action!r} (game: {game_said!r}; simulator: {simulator_said!r})"
         if (sim.reward, sim.done) != (game.reward, game.done):
             return f"outcome at step {index + 1}: {game.action!r} (simulator {sim.reward}/{sim.done}, game " \
                    f"{game.reward}/{game.done})"

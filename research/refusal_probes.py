@@ -24,15 +24,11 @@ from components.builders import experience_predictor, saved_buffer
 from components.config import load_params
 from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories, transitions, write_trajectories
 from components.envs.registry import real_environment
+from components.envs.textworld_cooking import game_reply as reply
 from components.results.evaluation import replay_in_real
 from components.simulator.experience_model import PredictionStats
 from components.simulator.fidelity import is_refused
 from dreamgym.cli import set_overrides
-
-
-def reply(state: str) -> str:
-    """The observation's first line: a refusal's wording is the game's own."""
-    return state.split("Observation:")[-1].strip().splitlines()[0] if state.strip() else ""
 
 
 def build(episode_files: list[str], out: str) -> None:

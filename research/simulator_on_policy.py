@@ -24,12 +24,9 @@ from pathlib import Path
 from components.builders import experience_predictor, saved_buffer
 from components.config import load_params
 from components.data.contract import Trajectory, read_records, transitions
+from components.envs.textworld_cooking import game_reply
 from components.simulator import experience_model as em
 from components.simulator.fidelity import reward_correct
-
-
-def outcome(next_state: str) -> str:
-    return next_state.split("Observation:")[-1].strip().split("\n")[0].strip()
 
 
 def summarise(rows: list[dict], actions: list[str]) -> dict:
@@ -73,7 +70,7 @@ def main() -> None:
     for trajectory in episodes.values():
         for t in transitions(trajectory):
             if t.action.strip() in args.action:
-                groups[(t.action.strip(), outcome(t.next_state))].append(t)
+                groups[(t.action.strip(), game_reply(t.next_state))].append(t)
     rng = random.Random(args.seed)
     chosen = [t for key in sorted(groups) for t in rng.sample(groups[key], min(args.per_outcome, len(groups[key])))]
     print(f"{len(episodes)} distinct episodes; {len(chosen)} transitions chosen of "
@@ -84,7 +81,7 @@ def main() -> None:
     stats = em.PredictionStats()
     predictions = experience_predictor(params, Path("."), saved_buffer(params, Path(".")), stats)(chosen)
 
-    rows = [{"action": t.action.strip(), "real": outcome(t.next_state), "predicted": outcome(p.next_state),
+    rows = [{"action": t.action.strip(), "real": game_reply(t.next_state), "predicted": game_reply(p.next_state),
              "real_reward": t.reward, "predicted_reward": p.reward, "fallback": p.fallback,
              "trajectory_id": t.trajectory_id, "step_index": t.step_index}
             for t, p in zip(chosen, predictions, strict=True)]

@@ -326,6 +326,13 @@ class TextWorldCooking(Environment):
 
 # ---------------------------------------------------------------------------------------------- policies
 
+def game_reply(state: str) -> str:
+    """The first line of a state's observation: the game's answer to the command before it (its wording, a refusal's
+    included, is the game's own); empty for an empty state."""
+    lines = state.split("Observation:")[-1].strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def expert_policy(env: TextWorldCooking) -> Policy:
     """Replays the current game's walkthrough (step i plays walkthrough[i]); "look" past its end."""
     def act(task: Task, observation: Observation, history: Sequence[tuple[str, str]]) -> str:

@@ -94,6 +94,11 @@ def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant
     return found
 
 
+def s2r_budget(real_budget: int, s2r_share: float) -> int:
+    """The real transitions DreamGym-S2R (and its correction row) may spend: `s2r_share` of B, whole."""
+    return int(s2r_share * real_budget)
+
+
 def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: float, correction_rounds: int = 0,
                   sim_to_real_iteration: int = 1, environment: str | None = None, max_turns: int = 1
                   ) -> dict[str, Any]:
@@ -103,7 +108,7 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
     transitions (about half, at least one) after its last round and the rest on the rounds' replay audits, the
     feedback, which must pay for an episode (`max_turns`) a round. ParamsError when the budget cannot pay for the
     variant's run."""
-    budget = real_budget if variant.real_budget == "full" else int(s2r_share * real_budget)
+    budget = real_budget if variant.real_budget == "full" else s2r_budget(real_budget, s2r_share)
     overrides = {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget,
                  "evaluate.policies": variant.policies}
     if environment is not None:
@@ -202,7 +207,8 @@ def run_budget(params: Any) -> str:
     return (f"Each row's budget: synthetic RL plays {rl.iterations} iterations of {rl.tasks_per_iteration} tasks x "
             f"{rl.group_size} episodes in the experience model (at most {episodes * turns} synthetic transitions, "
             f"{turns} turns an episode); real-environment RL spends up to B = {settings.real_budget} real "
-            f"transitions, DreamGym-S2R and its correction row up to {int(settings.s2r_share * settings.real_budget)} "
+            f"transitions, DreamGym-S2R and its correction row up to "
+            f"{s2r_budget(settings.real_budget, settings.s2r_share)} "
             f"({settings.s2r_share:.0%} of B); each policy plays {params.policy.eval_tasks} held-out games per "
             "environment. The runs table gives what each row spent and its wall time.")
 
