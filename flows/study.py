@@ -39,10 +39,17 @@ PARAMS_BACKUP = Path(".dvc/tmp/study-params.yaml")
 
 
 def restore_params() -> bool:
-    """Put back the params.yaml a killed study left with a run's overrides; whether there was one to put back."""
+    """Put back the params.yaml a killed study left with a run's overrides; whether there was one to put back.
+
+    `dvc exp run` also stages the overridden file, and with it left in the index every later `dvc exp run` fails
+    ("Stash apply resulted in merge conflicts"): a staged params.yaml that is not the user's file is unstaged."""
     if not PARAMS_BACKUP.is_file():
         return False
-    Path(PARAMS).write_text(PARAMS_BACKUP.read_text(encoding="utf-8"), encoding="utf-8")
+    original = PARAMS_BACKUP.read_text(encoding="utf-8")
+    Path(PARAMS).write_text(original, encoding="utf-8")
+    staged = subprocess.run(["git", "show", f":{PARAMS}"], capture_output=True, text=True)
+    if staged.returncode == 0 and staged.stdout != original:
+        subprocess.run(["git", "reset", "--quiet", "--", PARAMS], capture_output=True, check=True)
     PARAMS_BACKUP.unlink()
     return True
 

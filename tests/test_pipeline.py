@@ -470,6 +470,32 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
     assert not (project / ".dvc" / "tmp" / "study-params.yaml").exists()
 
 
+def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(tmp_path, monkeypatch):
+    """A study killed inside `dvc exp run` (a session's end) leaves the run's params.yaml in the working tree and in
+    the git index; with it staged, every later `dvc exp run` fails on its stash. The next study puts back the user's
+    file and unstages the run's, and a file the user staged themselves stays staged."""
+    from flows.study import PARAMS_BACKUP, restore_params
+
+    run("git", "init", "-q", cwd=tmp_path)
+    (tmp_path / "params.yaml").write_text("seed: 0\n")
+    commit_project(tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    PARAMS_BACKUP.parent.mkdir(parents=True)
+    PARAMS_BACKUP.write_text("seed: 0\n")
+    (tmp_path / "params.yaml").write_text("seed: 1\n")  # the killed run's overrides, staged as DVC stages them
+    run("git", "add", "params.yaml", cwd=tmp_path)
+
+    assert restore_params()
+    assert (tmp_path / "params.yaml").read_text() == "seed: 0\n" and not PARAMS_BACKUP.exists()
+    assert run("git", "status", "--porcelain", cwd=tmp_path).stdout == ""  # nothing staged, nothing changed
+
+    (tmp_path / "params.yaml").write_text("seed: 2\n")  # the user's own change, staged before the study
+    run("git", "add", "params.yaml", cwd=tmp_path)
+    PARAMS_BACKUP.write_text("seed: 2\n")
+    assert restore_params()
+    assert run("git", "show", ":params.yaml", cwd=tmp_path).stdout == "seed: 2\n"
+
+
 def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):
     """Two rounds on real TextWorld games: each plays synthetic RL, sim-to-real and the replay audit, onboards what
     the policy met beside the seed, retrains the experience model on it and measures it on held-out play; a rerun
