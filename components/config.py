@@ -242,6 +242,8 @@ class ExperienceModelParams(Section):
     policy_repeats: int = Field(
         ge=1, description="transitions a policy made in the real environment (source: policy) appear this many "
                           "times more (on-policy data's weight)")
+    refusal_repeats: int = Field(ge=1, description="training steps whose command the environment refused appear this "
+                                 "many times")
     inference: InferenceParams
     max_fallback_rate: float = Field(
         ge=0, le=1, description="share of predictions that may fall back (unparsable) before a stage using the "

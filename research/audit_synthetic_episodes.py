@@ -15,11 +15,10 @@ from collections import Counter
 from dataclasses import replace
 
 from components.config import load_params
-from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories
+from components.data.contract import TRAJECTORIES, Trajectory, is_refused, read_trajectories
 from components.envs.registry import real_environment
 from components.envs.textworld_cooking import game_reply
 from components.results.evaluation import outcome_agreement, replay_in_real
-from components.simulator.fidelity import is_refused
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("episodes", nargs="?", default="models/policy/rl/checkpoints/episodes.jsonl")

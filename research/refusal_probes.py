@@ -22,12 +22,12 @@ from pathlib import Path
 
 from components.builders import experience_predictor, saved_buffer
 from components.config import load_params
-from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories, transitions, write_trajectories
+from components.data.contract import (TRAJECTORIES, Trajectory, is_refused, read_trajectories, transitions,
+                                      write_trajectories)
 from components.envs.registry import real_environment
 from components.envs.textworld_cooking import game_reply as reply
 from components.results.evaluation import replay_in_real
 from components.simulator.experience_model import PredictionStats
-from components.simulator.fidelity import is_refused
 from dreamgym.cli import set_overrides
 
 

@@ -28,7 +28,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     fmt = prompt_format(params)
     buffer = saved_buffer(params, root) if fmt.use_retrieval else None
     dataset = em.sft_examples(annotated, buffer, fmt, settings.outcome_repeats, settings.lookalike_repeats,
-                              settings.policy_repeats)
+                              settings.policy_repeats, settings.refusal_repeats)
     result = sft.train_sft(dataset, params.models.experience, root / settings.out_dir,
                            training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir)
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
@@ -42,7 +42,8 @@ def report(params: Params, result: sft.TrainingResult, fmt: em.PromptFormat) -> 
     settings = params.experience_model
     return (f"# Experience model training\n\n`{params.models.experience}` fine-tuned on {result.examples} examples of "
             f"annotated training-task transitions in {', '.join(settings.environments)}, rewarded or terminal ones "
-            f"repeated {settings.outcome_repeats} times, look-alikes {settings.lookalike_repeats} times, a policy's "
+            f"repeated {settings.outcome_repeats} times, look-alikes {settings.lookalike_repeats} times, refused "
+            f"commands {settings.refusal_repeats} times, a policy's "
             f"own real transitions {settings.policy_repeats} times as often "
             f"({result.too_long} left out as "
             f"longer than {settings.training.max_seq_len} tokens): {result.global_step} optimizer steps, "

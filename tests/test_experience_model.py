@@ -246,8 +246,8 @@ def test_changes_target_round_trips_through_the_parser_with_the_state():
     assert parse_prediction(target) is None  # changes apply to a state
     unchanged = parse_prediction("<changes>\n\n</changes>\n<reward>0</reward>\n<done>false</done>", OPEN)
     assert unchanged.next_state == OPEN
-    # a next state the changed sections cannot rebuild (a repeated label) is written in full
-    odd = "Observation:\nx\nObservation:\ny"
+    # a next state the changed sections cannot rebuild (a new section before the others) is written in full
+    odd = "Goal:\nx\n" + OPEN
     assert "<next_state>" in format_target(odd, 0.0, False, changes_from=OPEN)
     assert parse_prediction(format_target(odd, 0.0, False, changes_from=OPEN), OPEN).next_state == odd
 
@@ -422,6 +422,24 @@ def test_sft_examples_repeat_lookalikes_of_a_rewarded_command():
     assert rows == [("tw-1", 0), ("tw-1", 1)] + [("tw-1", 2)] * 3 + [("tw-2", 0)] * 2
     with pytest.raises(ValueError, match="lookalike_repeats"):
         sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=1, lookalike_repeats=0)
+
+
+def test_sft_examples_repeat_commands_the_game_refused():
+    """A sensible command the state does not allow (the knife is already held) is what a policy's play is full of:
+    it appears refusal_repeats times; a refused look-alike keeps its own weight."""
+    held = Trajectory("tw-2", TASK, [
+        _step(KITCHEN, "take knife from counter", "You can't see any such thing.", score=0, max_score=2,
+              valid_action=False),
+        _step(KITCHEN, "eat meal", "You can't see any such thing.", score=0, max_score=2, valid_action=False)],
+        success=False, return_=0.0, source="noisy_expert")
+    records = annotate([_trajectory("tw-1"), held])
+    dataset = sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=3, lookalike_repeats=2,
+                           refusal_repeats=4)
+    rows = [(row["trajectory_id"], row["step_index"]) for row in dataset]
+    assert rows == [("tw-1", 0), ("tw-1", 1)] + [("tw-1", 2)] * 3 + [("tw-2", 0)] * 4 + [("tw-2", 1)] * 2
+    with pytest.raises(ValueError, match="refusal_repeats"):
+        sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=1, lookalike_repeats=1,
+                     refusal_repeats=0)
 
 
 # ---- backends -------------------------------------------------------------------------------------------------

@@ -147,6 +147,12 @@ def is_lookalike(t: Any, rewarded: set[tuple[str, str]]) -> bool:
     return not is_outcome(t.reward, t.done) and (t.task.environment, t.action) in rewarded
 
 
+def is_refused(t: Any) -> bool:
+    """Whether the environment refused the step's command (step info `valid_action` false, as the real adapters
+    record it)."""
+    return t.info.get("valid_action") is False
+
+
 def success_rewards(trajectories: Iterable[Trajectory]) -> dict[str, float]:
     """Per environment, the lowest final reward of a successful trajectory: what a simulated episode's final reward
     must reach to count as a win (TextWorld: 1; MiniWoB's time-discounted rewards: the slowest success seen)."""

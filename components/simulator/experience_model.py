@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from components.data.contract import Task, is_lookalike, is_outcome, rewarded_commands
+from components.data.contract import Task, is_lookalike, is_outcome, is_refused, rewarded_commands
 from components.llm.backends import BackendError, GenerationBackend, Message, PromptTooLong
 from components.simulator import state_changes
 from components.simulator.annotation import AnnotatedTransition
@@ -242,6 +242,7 @@ def sft_examples(
     outcome_repeats: int,
     lookalike_repeats: int,
     policy_repeats: int = 1,
+    refusal_repeats: int = 1,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
 
@@ -253,6 +254,9 @@ def sft_examples(
     Look-alikes (`contract.is_lookalike`: unrewarded steps of a command rewarded elsewhere, `eat meal` with no meal)
     appear `lookalike_repeats` times. Why: repeating only the rewarded `eat meal` teaches "eat meal wins" whatever the
     state (reports/research/experience_model/on_policy/).
+    Commands the environment refused (`contract.is_refused`) appear `refusal_repeats` times. Why: a policy's own
+    play is full of sensible commands the state does not allow (`take X from Y` with X already held), and a model
+    that lets one succeed hands synthetic RL a win the game never gives (reports/research/experience_model/refusals/).
 
     History is rebuilt from the earlier steps of each transition's trajectory. Grounding examples come from
     `buffer.retrieve_examples`, which never returns the transition's own trajectory: the buffer holds the seed data
@@ -261,9 +265,9 @@ def sft_examples(
     """
     from datasets import Dataset
 
-    if min(outcome_repeats, lookalike_repeats, policy_repeats) < 1:
-        raise ValueError(f"outcome_repeats, lookalike_repeats and policy_repeats must be >= 1, got "
-                         f"{outcome_repeats}, {lookalike_repeats}, {policy_repeats}")
+    if min(outcome_repeats, lookalike_repeats, policy_repeats, refusal_repeats) < 1:
+        raise ValueError(f"outcome_repeats, lookalike_repeats, policy_repeats and refusal_repeats must be >= 1, got "
+                         f"{outcome_repeats}, {lookalike_repeats}, {policy_repeats}, {refusal_repeats}")
     rewarded = rewarded_commands(annotated)
     by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
     for record in annotated:
@@ -290,7 +294,8 @@ def sft_examples(
             "step_index": record.step_index,
         }
         repeats = (outcome_repeats if is_outcome(record.reward, record.done)
-                   else lookalike_repeats if is_lookalike(record, rewarded) else 1)
+                   else lookalike_repeats if is_lookalike(record, rewarded)
+                   else refusal_repeats if is_refused(record) else 1)
         rows.extend([row] * (repeats * (policy_repeats if record.source == "policy" else 1)))
     return Dataset.from_list(rows)
 

@@ -52,6 +52,7 @@ from components.data.contract import (
     is_heldout_task,
     is_lookalike,
     is_outcome,
+    is_refused,
     rewarded_commands,
     transitions,
 )
@@ -88,12 +89,6 @@ def heldout_transitions(trajectories: Iterable[Trajectory], fraction: float,
     """Every step of every trajectory whose task is held out (`is_heldout_task(task_id, fraction)`), in file order."""
     return [t for trajectory in trajectories if is_heldout_task(trajectory.task.task_id, fraction)
             for t in transitions(trajectory, history_length)]
-
-
-def is_refused(t: Transition) -> bool:
-    """Whether the environment refused the step's command (step info `valid_action` false, as the real adapters
-    record it)."""
-    return t.info.get("valid_action") is False
 
 
 def outcomes_first_sample(transitions_: Sequence[Transition], per_environment: int) -> list[Transition]:
