@@ -64,8 +64,12 @@ def test_budgets_follow_the_variant():
                                                                                   "no-reasoning"))
     assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["sim_to_real.real_transitions"] == 16
     assert run_overrides(by_name["no-curriculum"], 0, 160, 0.1)["synthetic_rl.curriculum.enabled"] is False
-    assert [v.name for v in variants(("grpo",))] == ["dreamgym-grpo", "real-grpo", "no-curriculum", "no-retrieval",
-                                                      "no-reasoning", "s2r-correction"]
+    assert [v.name for v in variants(("grpo",))] == ["dreamgym-grpo", "real-grpo", "real-grpo-s2r-budget",
+                                                      "no-curriculum", "no-retrieval", "no-reasoning", "s2r-correction"]
+    # real RL at DreamGym-S2R's budget: from the warm start, as many real transitions as sim-to-real spends
+    assert run_overrides(by_name["real-ppo-s2r-budget"], 0, 160, 0.1) == {
+        "synthetic_rl.algorithm": "ppo", "sim_to_real.start_from": "sft", "seed": 0,
+        "sim_to_real.real_transitions": 16, "evaluate.policies": ["sim_to_real"]}
 
 
 def test_a_correction_run_spends_dreamgym_s2rs_budget_on_sim_to_real_after_its_last_round_and_the_rest_on_feedback():
@@ -104,17 +108,17 @@ def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
 
     assert [row.name for row in planned[:3]] == ["textworld-cooking/dreamgym-grpo-seed0",
                                                  "textworld-cooking/real-grpo-seed0",
-                                                 "textworld-cooking/dreamgym-ppo-seed0"]
-    assert len(planned) == 2 * 2 * 8 and planned[-1].name == "miniwob/s2r-correction-seed1"
-    assert planned[8].name == "miniwob/dreamgym-grpo-seed0"  # seed 0 everywhere before seed 1
+                                                 "textworld-cooking/real-grpo-s2r-budget-seed0"]
+    assert len(planned) == 2 * 2 * 10 and planned[-1].name == "miniwob/s2r-correction-seed1"
+    assert planned[10].name == "miniwob/dreamgym-grpo-seed0"  # seed 0 everywhere before seed 1
     real = planned[1]
     assert real.overrides == run_overrides(real.variant, 0, 700, 0.1, environment="textworld-cooking")
     # the cpu profile's budget pays for the correction row: 70 = one sim-to-real iteration (28) + 3 rounds x 14
-    assert (planned[7].overrides["correction.real_transitions"], planned[7].overrides["correction.replay_transitions"]
+    assert (planned[9].overrides["correction.real_transitions"], planned[9].overrides["correction.replay_transitions"]
             ) == (28, 14)
     # at 336, 33 real transitions leave one replayed transition a round, less than an episode: the row cannot run,
     # and the plan says why
-    correction = plan(_cpu_study(real_budget=336), sim_to_real_iteration=28)[7]
+    correction = plan(_cpu_study(real_budget=336), sim_to_real_iteration=28)[9]
     assert correction.overrides is None and not correction.switched_off
     assert "leaves 1 replayed transition(s) a round" in correction.why_not
     # correction.rounds 0 switches the row off: no failure
@@ -223,7 +227,7 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     """Rows whose policies come from synthetic RL also score their experience model (flows.study.run_row): the run
     keeps evaluate_experience_model.json only when it scored it (a file another row left would not be its own)."""
     assert {v.name: v.measures_simulator for v in variants(("grpo",))} == {
-        "dreamgym-grpo": True, "real-grpo": False, "no-curriculum": True, "no-retrieval": True, "no-reasoning": True,
+        "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False, "no-curriculum": True, "no-retrieval": True, "no-reasoning": True,
         "s2r-correction": False}  # the correction rounds score theirs every round
     tw = "textworld-cooking"
     metrics_dir = tmp_path / "metrics"
@@ -266,7 +270,7 @@ def test_a_profiles_study_is_reported_without_switching_params_yaml_to_it(tmp_pa
     assert main(["study", "report", "--profile", "cpu"]) == 0
 
     readme = Path("reports/results_study/cpu/README.md").read_text()
-    assert "0 of 48 planned runs finished; 48 to run (48 of a variant with no finished run on its environment yet)" \
+    assert "0 of 60 planned runs finished; 60 to run (60 of a variant with no finished run on its environment yet)" \
         in readme and "| miniwob/s2r-correction-seed2 | not run yet |" in readme
     assert Path("params.yaml").read_text() == (REPO / "params.yaml").read_text()
     assert main(["study", "run", "--profile", "cpu"]) == 2
