@@ -78,6 +78,8 @@ class TextWorldParams(Section):
     step_timeout_s: float = Field(gt=0)
     max_steps: int = Field(gt=0)
     generation_workers: int = Field(ge=1)
+    describe_room: bool = Field(description="every state carries the room's description (a Room: section): what is "
+                                "where, which a simulator needs to know whether `take X from Y` can succeed")
 
 
 class MiniWoBParams(Section):

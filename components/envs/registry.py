@@ -39,7 +39,8 @@ def _textworld() -> RealEnvironment:
 
     return RealEnvironment(
         name=tw.ENVIRONMENT,
-        open=lambda p: tw.TextWorldCooking(p.textworld.cache_dir, step_timeout=p.textworld.step_timeout_s),
+        open=lambda p: tw.TextWorldCooking(p.textworld.cache_dir, step_timeout=p.textworld.step_timeout_s,
+                                           describe_room=p.textworld.describe_room),
         make_tasks=lambda p, split, count, seed: tw.make_tasks(
             split, count, seed=seed, cache_dir=p.textworld.cache_dir, workers=p.textworld.generation_workers,
             **p.textworld.difficulty.model_dump()),
