@@ -2,6 +2,7 @@
 
     python research/refusal_probes.py build EPISODES.jsonl... --out PROBES.jsonl   # replays, once
     python research/refusal_probes.py score PROBES.jsonl [--set KEY=VALUE]...       # this checkout's model
+    python research/refusal_probes.py explain PROBES.jsonl                          # what the state shows
 
 `build` replays synthetic RL's episodes (`{"trajectory": ...}` lines, as models/policy/rl/checkpoints/episodes.jsonl
 and research/audit_synthetic_episodes.py read them) action by action in the real games of their training tasks and
@@ -13,10 +14,17 @@ replays, with no reward and the episode going on), and how many it rewards, ends
 game's steps (seconds) to build; one experience-model call per probe to score (94 in 8.6 min on one llama.cpp
 thread, 5.7 min on two).
 
+`explain` says, for each `take X from Y` probe, where the probe's state (with its history) shows X: held (the
+inventory), in the room's description (a `Room:` section, `environments.textworld.describe_room`), in the last
+observation, only in the history, or nowhere; beside the game's reply. A refusal the state cannot show (X nowhere
+but in the recipe) no simulator can predict from it.
+
 The probes are steps of training tasks, replayed: they only measure here, and nothing adds them to any data.
 """
 import argparse
 import json
+import re
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +36,7 @@ from components.envs.registry import real_environment
 from components.envs.textworld_cooking import game_reply as reply
 from components.results.evaluation import replay_in_real
 from components.simulator.experience_model import PredictionStats
+from components.simulator.state_changes import sections
 from dreamgym.cli import set_overrides
 
 
@@ -74,13 +83,33 @@ def score(probes: str, overrides: dict) -> dict:
     return summary
 
 
+def explain(probes: str) -> Counter:
+    history = load_params("params.yaml").experience_model.prompt.history_length
+    places = Counter()
+    for replay in read_trajectories(Path(probes)):
+        step = next((t for t in transitions(replay, history) if is_refused(t)), None)
+        taken = re.fullmatch(r"take (.+?) from (.+)", step.action) if step is not None else None
+        if taken is None:
+            continue
+        thing, section = taken.group(1), dict(sections(step.state))
+        shown = [label for label in ("Inventory:", "Room:", "Observation:") if thing in section.get(label, "")]
+        where = {"Inventory:": "held", "Room:": "in the room", "Observation:": "in the last observation"}[
+            shown[0]] if shown else "in the history" if any(thing in s for s, _ in step.history) else "nowhere"
+        places[where, reply(step.next_state)] += 1
+    for (where, game), count in places.most_common():
+        print(f"{count:3d}  {where:24s}  {game}")
+    return places
+
+
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("action", choices=["build", "score"])
+parser.add_argument("action", choices=["build", "score", "explain"])
 parser.add_argument("files", nargs="+")
 parser.add_argument("--out", default="probes.jsonl")
 parser.add_argument("--set", action="append", default=[], help="a params override, as dreamgym --set takes")
 args = parser.parse_args()
 if args.action == "build":
     build(args.files, args.out)
+elif args.action == "explain":
+    explain(args.files[0])
 else:
     score(args.files[0], set_overrides(args.set))
