@@ -2,6 +2,7 @@
 
     python research/refusal_probes.py build EPISODES.jsonl... --out PROBES.jsonl   # replays, once
     python research/refusal_probes.py score PROBES.jsonl [--set KEY=VALUE]...       # this checkout's model
+    python research/refusal_probes.py score PROBES.jsonl --controls                 # false refusals
     python research/refusal_probes.py explain PROBES.jsonl                          # what the state shows
 
 `build` replays synthetic RL's episodes (`{"trajectory": ...}` lines, as models/policy/rl/checkpoints/episodes.jsonl
@@ -14,7 +15,9 @@ replays, with no reward and the episode going on), and how many it rewards, ends
 game's steps (seconds) to build; one experience-model call per probe to score (94 in 8.6 min on one llama.cpp
 thread, 5.7 min on two).
 
-`explain` says, for each `take X from Y` probe, where the probe's state (with its history) shows X: held (the
+`score --controls` asks instead for the step before each probe, which the game accepted (same games, same
+policies, one step earlier): a model that learned to refuse by rote refuses those too ("refused" there counts false
+refusals). `explain` says, for each `take X from Y` probe, where the probe's state (with its history) shows X: held (the
 inventory), in the room's description (a `Room:` section, `environments.textworld.describe_room`), in the last
 observation, only in the history, or nowhere; beside the game's reply. A refusal the state cannot show (X nowhere
 but in the recipe) no simulator can predict from it.
@@ -30,8 +33,15 @@ from pathlib import Path
 
 from components.builders import experience_predictor, saved_buffer
 from components.config import load_params
-from components.data.contract import (TRAJECTORIES, Trajectory, is_refused, read_trajectories, transitions,
-                                      write_trajectories)
+from components.data.contract import (
+    TRAJECTORIES,
+    Trajectory,
+    Transition,
+    is_refused,
+    read_trajectories,
+    transitions,
+    write_trajectories,
+)
 from components.envs.registry import real_environment
 from components.envs.textworld_cooking import game_reply as reply
 from components.results.evaluation import replay_in_real
@@ -56,12 +66,21 @@ def build(episode_files: list[str], out: str) -> None:
     print(f"{out}: {len(replays)} replays, {refused} refused steps")
 
 
-def score(probes: str, overrides: dict) -> dict:
+def first_refused_and_before(replay: Trajectory, history: int) -> tuple[Transition | None, Transition | None]:
+    """The replay's first step the game refused, and the accepted step before it (None where there is none)."""
+    steps = list(transitions(replay, history))
+    index = next((i for i, t in enumerate(steps) if is_refused(t)), None)
+    if index is None:
+        return None, None
+    return steps[index], steps[index - 1] if index > 0 else None
+
+
+def score(probes: str, overrides: dict, controls: bool = False) -> dict:
     params = load_params("params.yaml", overrides)
     history = params.experience_model.prompt.history_length
     replays = read_trajectories(Path(probes))
-    steps = [first for replay in replays
-             if (first := next((t for t in transitions(replay, history) if is_refused(t)), None)) is not None]
+    steps = [step for replay in replays
+             if (step := first_refused_and_before(replay, history)[1 if controls else 0]) is not None]
     # what the game answers a command it refuses, anywhere in the replays: a model's reply among them is a refusal
     refusals = {reply(t.next_state) for replay in replays for t in transitions(replay) if is_refused(t)}
     stats = PredictionStats()
@@ -71,7 +90,8 @@ def score(probes: str, overrides: dict) -> dict:
              "refused": not p.fallback and reply(p.next_state) in refusals and p.reward == 0 and not p.done,
              "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback}
             for t, p in zip(steps, predictions, strict=True)]
-    summary = {"model": params.models.experience, "refused_steps": len(rows),
+    summary = {"model": params.models.experience, "probes": "accepted step before" if controls else "first refused",
+               "steps": len(rows),
                **{key: sum(row[key] for row in rows) for key in
                   ("same_reply", "refused", "rewarded", "ended", "fallback")},
                "take_from": sum(row["action"].startswith("take ") and " from " in row["action"] for row in rows),
@@ -105,6 +125,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("action", choices=["build", "score", "explain"])
 parser.add_argument("files", nargs="+")
 parser.add_argument("--out", default="probes.jsonl")
+parser.add_argument("--controls", action="store_true", help="score the accepted step before each probe")
 parser.add_argument("--set", action="append", default=[], help="a params override, as dreamgym --set takes")
 args = parser.parse_args()
 if args.action == "build":
@@ -112,4 +133,4 @@ if args.action == "build":
 elif args.action == "explain":
     explain(args.files[0])
 else:
-    score(args.files[0], set_overrides(args.set))
+    score(args.files[0], set_overrides(args.set), args.controls)
