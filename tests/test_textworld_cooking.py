@@ -306,3 +306,26 @@ def test_close_twice(cache: Path, heldout: list) -> None:
     env.close()
     with pytest.raises(RuntimeError):
         env.step("look")
+
+
+def test_describe_room_puts_what_is_where_in_every_state(cache: Path, heldout: list) -> None:
+    """With environments.textworld.describe_room the state says what the room holds, which changes as things are
+    taken: a simulator can then tell `take X from Y` with X elsewhere from one with X there."""
+    from components.config import load_params
+    from components.envs.registry import real_environment
+
+    params = load_params(Path(__file__).parents[1] / "params.yaml", {
+        "environments.textworld.describe_room": True, "environments.textworld.cache_dir": str(cache)})
+    task = heldout[0]
+    with real_environment(ENVIRONMENT).open(params.environments) as env:
+        trajectory = run_episode(env, task, expert_policy(env), max_steps=60, trajectory_id=task.task_id,
+                                 source="expert")
+    check_contract(trajectory)
+    assert trajectory.success
+    assert all("\nRoom:\n-= " in step.state and step.state.index("Room:") < step.state.index("Observation:")
+               for step in trajectory.steps)
+    take = next(step for step in trajectory.steps if step.action.startswith("take ") and " from " in step.action)
+    room_before, room_after = (state.split("Room:\n")[1].split("\nObservation:")[0]
+                               for state in (take.state, take.next_state))
+    thing = take.action.split(" from ")[0].removeprefix("take ")
+    assert thing in room_before and thing not in room_after
