@@ -29,11 +29,13 @@ def sections(text: str) -> list[tuple[str, str]]:
     """[(label, the section's text with its header line)], in order, each label once (a repeated one continues the
     section it is in)."""
     parts: list[tuple[str, list[str]]] = []
+    seen: set[str] = set()
     for line in text.split("\n"):
         header = _HEADER.match(line)
         label = header.group(0) if header else None
-        if not parts or (label is not None and all(label != seen for seen, _ in parts)):
+        if not parts or (label is not None and label not in seen):
             parts.append((label or "", [line]))
+            seen.add(label or "")
         else:
             parts[-1][1].append(line)
     return [(label, "\n".join(lines)) for label, lines in parts]
