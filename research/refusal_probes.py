@@ -103,18 +103,22 @@ def score(probes: str, overrides: dict, controls: bool = False) -> dict:
     return summary
 
 
+# where a state can show the thing a command takes, in the order `explain` looks
+PLACES = {"Inventory:": "held", "Room:": "in the room", "Observation:": "in the last observation"}
+
+
 def explain(probes: str) -> Counter:
     history = load_params("params.yaml").experience_model.prompt.history_length
     places = Counter()
     for replay in read_trajectories(Path(probes)):
-        step = next((t for t in transitions(replay, history) if is_refused(t)), None)
+        step = first_refused_and_before(replay, history)[0]
         taken = re.fullmatch(r"take (.+?) from (.+)", step.action) if step is not None else None
         if taken is None:
             continue
         thing, section = taken.group(1), dict(sections(step.state))
-        shown = [label for label in ("Inventory:", "Room:", "Observation:") if thing in section.get(label, "")]
-        where = {"Inventory:": "held", "Room:": "in the room", "Observation:": "in the last observation"}[
-            shown[0]] if shown else "in the history" if any(thing in s for s, _ in step.history) else "nowhere"
+        where = next((place for label, place in PLACES.items() if thing in section.get(label, "")), None)
+        if where is None:
+            where = "in the history" if any(thing in state for state, _ in step.history) else "nowhere"
         places[where, reply(step.next_state)] += 1
     for (where, game), count in places.most_common():
         print(f"{count:3d}  {where:24s}  {game}")

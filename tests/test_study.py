@@ -226,9 +226,10 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
 def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_shows_its_false_wins(tmp_path):
     """Rows whose policies come from synthetic RL also score their experience model (flows.study.run_row): the run
     keeps evaluate_experience_model.json only when it scored it (a file another row left would not be its own)."""
+    # the correction rounds score theirs every round
     assert {v.name: v.measures_simulator for v in variants(("grpo",))} == {
-        "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False, "no-curriculum": True, "no-retrieval": True, "no-reasoning": True,
-        "s2r-correction": False}  # the correction rounds score theirs every round
+        "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False, "no-curriculum": True,
+        "no-retrieval": True, "no-reasoning": True, "s2r-correction": False}
     tw = "textworld-cooking"
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
