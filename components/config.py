@@ -167,6 +167,8 @@ class AnnotateParams(Section):
                                    "model whose reply states the changes itself, experience_model.prompt.reply)")
     restate_action: bool = Field(description="the deterministic trace opens with a sentence restating the action "
                                  "(false: shorter replies; a web action's element is still named)")
+    ground_objects: bool = Field(description="the deterministic trace says, before the verdict, where the state "
+                                 "mentions the action's object (the fact that decides whether a command is refused)")
     out_dir: str
 
 

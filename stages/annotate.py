@@ -21,7 +21,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     # Outside annotate.out_dir: the kept replies are a resume cache, not a versioned output.
     records = annotation.annotate(trajectories, teacher, replies_path=root / ".cache" / "annotate" / "replies.jsonl",
                                   describe_changes=params.annotate.describe_changes,
-                                  restate_action=params.annotate.restate_action)
+                                  restate_action=params.annotate.restate_action,
+                                  ground_objects=params.annotate.ground_objects)
     metrics = annotation.annotation_summary(records, teacher.name if teacher else None)
     if teacher is not None and records and metrics["teacher_fallbacks"] == len(records):
         # A teacher that never answered (an endpoint down, a wrong model) is a broken run, not deterministic

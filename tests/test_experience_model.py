@@ -131,6 +131,27 @@ def test_trace_for_an_invalid_action_and_a_web_element():
     assert "Element [3] is 'button \"OK\"'" in valid and "accepted" in valid
 
 
+def test_grounded_trace_says_where_the_state_puts_the_object_before_the_verdict():
+    def grounded(state: str, action: str, valid: bool) -> str:
+        return deterministic_trace(_step(state, action, state, valid_action=valid), ground_objects=True)
+
+    at_place = grounded(OPEN, "take red potato from fridge", True)
+    assert ("The state mentions 'red potato' under Observation. 'red potato' and 'fridge' meet in "
+            "'You open the fridge, revealing a red potato'.") in at_place
+    assert at_place.index("meet in") < at_place.index("accepted")  # the fact comes before the verdict
+    held = grounded(TAKEN, "take red potato from fridge", False)  # held: the last sentence naming both is the take
+    assert "under Observation and Inventory" in held and held.index("Inventory") < held.index("rejected")
+    elsewhere = grounded(OPEN, "take red potato from counter", False)
+    assert "No sentence names 'red potato' with 'counter'." in elsewhere
+    assert "The state does not mention 'yellow potato'." in grounded(OPEN, "eat yellow potato", False)
+    # a word inside another is not a mention; a web action names its element by reference instead
+    assert "does not mention 'potato'" not in grounded(OPEN, "take potato", False)
+    assert "does not mention 'pot'" in grounded(OPEN, "take pot", False)
+    assert "mention" not in grounded('[3] button "OK"', "click [3]", True)
+    # off (the default), the trace is as before
+    assert "mention" not in deterministic_trace(_step(OPEN, "take red potato from fridge", TAKEN, valid_action=True))
+
+
 def test_annotate_is_deterministic_and_round_trips(tmp_path: Path):
     records = annotate([_trajectory("tw-1"), _trajectory("tw-2")])
     order = [(r.trajectory_id, r.step_index) for r in records]

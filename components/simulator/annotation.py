@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from components.data.contract import Task, Trajectory, Transition, read_records, transitions, write_records
+from components.simulator.state_changes import sections
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +101,26 @@ class StepLike(Protocol):
 
 
 def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None = None,
-                        describe_changes: bool = True, restate_action: bool = True) -> str:
+                        describe_changes: bool = True, restate_action: bool = True,
+                        ground_objects: bool = False) -> str:
     """Explain a transition from the data alone, in a few short sentences.
 
     `describe_changes` off leaves out what changed, appeared and disappeared: for an experience model whose reply
     states the changed sections itself (`experience_model.prompt.reply: changes`), they would be written twice.
     `restate_action` off leaves out the sentence that repeats the action (its verb and object, already in the
-    prompt); which element a web action names is still said.
+    prompt); which element a web action names is still said. `ground_objects` adds, before the verdict, where the
+    state mentions what the action names (`_grounding_sentence`): the fact that decides whether the environment
+    accepts it, written out before the model states the verdict.
 
     `step.info` (when the object has one) supplies `valid_action`, `score`/`max_score`, `won`/`lost`/`success`,
     `truncated`, `timeout`; `previous_info` is the info of the step before, which turns a score into a change
     ("rose from 1 to 2"). Missing keys are simply not mentioned: any environment's data works.
     """
     info: Mapping[str, Any] = getattr(step, "info", None) or {}
-    sentences = [_action_sentence(step.action, step.state, restate_action), _validity_sentence(step, info)]
+    sentences = [_action_sentence(step.action, step.state, restate_action)]
+    if ground_objects:
+        sentences.append(_grounding_sentence(step.action, step.state))
+    sentences.append(_validity_sentence(step, info))
     if describe_changes:
         sentences += _change_sentences(step.state, step.next_state)
     sentences.append(_progress_sentence(info, previous_info))
@@ -134,6 +141,40 @@ def _action_sentence(action: str, state: str, restate: bool = True) -> str:
                 sentences.append(f"Element [{ref.group(1)}] is {_quote(line.strip()[len(ref.group(0)):].strip())}.")
                 break
     return " ".join(sentences)
+
+
+# "take X from Y", "put X on Y", "cook X with Y": the object, then the place or tool.
+_PLACE_WORDS = re.compile(r"\s+(?:from|into|in|on|onto|with|to|at)\s+")
+
+
+def _grounding_sentence(action: str, state: str) -> str:
+    """Where the state mentions the action's object: the sections naming it and, for "X from Y" and the like, the
+    last sentence naming both. A command the environment refuses usually names something the state puts elsewhere
+    (already in the inventory, in another container) or nowhere; without this fact first, a small experience model
+    learns how often commands are refused, not which (reports/research/experience_model/refusals/). Web actions
+    name an element by reference instead, which `_action_sentence` quotes."""
+    target = action.strip().partition(" ")[2].strip()
+    if not target or re.search(r"\[-?\d+\]", target):
+        return ""
+    thing, *place = _PLACE_WORDS.split(target, maxsplit=1)
+    where = list(dict.fromkeys(label.rstrip(":") for label, text in sections(state) if label and _names(text, thing)))
+    if not where:
+        return f"The state does not mention '{thing}'."
+    sentence = f"The state mentions '{thing}' under {_and_list(where)}."
+    if place:
+        together = [s for line in state.splitlines() for s in re.split(r"(?<=[.!?])\s+", line.strip())
+                    if _names(s, thing) and _names(s, place[0])]
+        sentence += (f" '{thing}' and '{place[0]}' meet in {_quote(together[-1].rstrip('.!?'))}." if together
+                     else f" No sentence names '{thing}' with '{place[0]}'.")
+    return sentence
+
+
+def _names(text: str, phrase: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(phrase)}(?![\w-])", text, re.IGNORECASE) is not None
+
+
+def _and_list(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _validity_sentence(step: StepLike, info: Mapping[str, Any]) -> str:
@@ -323,12 +364,12 @@ def _clean_teacher_trace(text: str | None) -> str | None:
 
 
 def iter_steps(trajectories: Iterable[Trajectory], describe_changes: bool = True,
-               restate_action: bool = True) -> Iterator[AnnotatedTransition]:
+               restate_action: bool = True, ground_objects: bool = False) -> Iterator[AnnotatedTransition]:
     """Every step as an AnnotatedTransition with its deterministic trace (the final trace, or a teacher's facts)."""
     for trajectory in trajectories:
         previous_info: Mapping[str, Any] | None = None
         for transition in transitions(trajectory, history_length=0):
-            trace = deterministic_trace(transition, previous_info, describe_changes, restate_action)
+            trace = deterministic_trace(transition, previous_info, describe_changes, restate_action, ground_objects)
             yield AnnotatedTransition.of(transition, trace, DETERMINISTIC)
             previous_info = transition.info
 
@@ -340,6 +381,7 @@ def annotate(
     replies_path: str | Path | None = None,
     describe_changes: bool = True,
     restate_action: bool = True,
+    ground_objects: bool = False,
 ) -> list[AnnotatedTransition]:
     """Annotate every step of every trajectory, in input order.
 
@@ -351,7 +393,7 @@ def annotate(
     rerun annotation asks the teacher only what it has not answered yet (greedy replies are reproducible). Failed
     replies are not kept: a rerun asks again.
     """
-    records = list(iter_steps(trajectories, describe_changes, restate_action))
+    records = list(iter_steps(trajectories, describe_changes, restate_action, ground_objects))
     if teacher is None:
         return records
     kept = _read_replies(replies_path)

@@ -8,7 +8,9 @@ earlier belongs to the section it is in: a cookbook read aloud in the observatio
 there is unusable, and the model replies in that form: 41-44 of 94 refusal probes fell back on such states).
 
 `changes(state, next_state)` is the next state as the sections that differ from the state's, in the next state's
-order, after one `<removed>LABEL</removed>` line per section that went away; `apply_changes` rebuilds the next state
+order, after one `<removed>LABEL LABEL ...</removed>` line naming the sections that went away (one line, not one a
+label: a web page's tab switch removes a dozen elements, and a line each cost a third of MiniWoB's examples their
+place under max_seq_len); `apply_changes` rebuilds the next state
 from the state and those changes. `changes` returns None whenever `apply_changes` would not rebuild the next state
 byte for byte (a new section anywhere but at the end, a repeated label starting a section in the changes): then the
 full next state is the only form.
@@ -45,7 +47,7 @@ def apply_changes(state: str, changes: str) -> str:
     """The next state that `changes` (the form `changes()` writes) makes of `state`."""
     before = sections(state)
     lines = changes.split("\n") if changes else []
-    removed = {m.group(1) for line in lines if (m := _REMOVED.fullmatch(line))}
+    removed = {label for line in lines if (m := _REMOVED.fullmatch(line)) for label in m.group(1).split()}
     kept = [line for line in lines if not _REMOVED.fullmatch(line)]
     changed = sections("\n".join(kept)) if kept else []
     replacement = dict(changed)
@@ -58,8 +60,9 @@ def changes(state: str, next_state: str) -> str | None:
     """The changed sections of `next_state` (see the module docstring); None when they cannot rebuild it exactly."""
     before, after = sections(state), sections(next_state)
     old, new = dict(before), dict(after)
-    text = "\n".join([f"<removed>{label}</removed>" for label, _ in before if label not in new]
-                     + [section for label, section in after if old.get(label) != section])
+    gone = " ".join(label for label, _ in before if label not in new)
+    text = "\n".join([f"<removed>{gone}</removed>"] * bool(gone)
+                      + [section for label, section in after if old.get(label) != section])
     return text if apply_changes(state, text) == next_state else None
 
 
