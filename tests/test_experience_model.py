@@ -577,9 +577,10 @@ def test_llamacpp_backend_replies_like_the_hf_backend(tiny: Path, tmp_path: Path
 
 
 class _ChatServer:
-    """A real HTTP server on 127.0.0.1 that answers like an OpenAI-compatible endpoint (first request: HTTP 503)."""
+    """A real HTTP server on 127.0.0.1 that answers like an OpenAI-compatible endpoint after its first `failures`
+    requests, which get HTTP 503."""
 
-    def __init__(self, reply: str):
+    def __init__(self, reply: str, failures: int = 1):
         self.requests: list[tuple[str, dict, str | None]] = []
         outer = self
 
@@ -587,7 +588,7 @@ class _ChatServer:
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((self.path, body, self.headers.get("Authorization")))
-                if len(outer.requests) == 1:
+                if len(outer.requests) <= failures:
                     self.send_error(503, "warming up")
                     return
                 choice = {"index": 0, "finish_reason": "stop"}
@@ -645,6 +646,19 @@ def test_openai_compatible_backend_over_real_http():
     assert path == "/v1/chat/completions" and auth == "Bearer sk-test"
     assert body["model"] == "exp-model" and body["messages"][0]["role"] == "system"
     assert server.requests[2][0] == "/v1/completions" and server.requests[2][1]["max_tokens"] == 7
+
+
+def test_an_endpoint_that_is_down_costs_one_requests_retries_not_every_ones():
+    """A teacher or simulator endpoint that answers 503 to everything: the call fails after one request has spent its
+    retries; the other prompts are not each retried (64 prompts at 4 attempts each took 70 s in the suite)."""
+    server = _ChatServer("unused", failures=10**6)
+    try:
+        backend = OpenAICompatibleBackend(server.url, "teacher", backoff_s=0.05, max_retries=3, concurrency=2)
+        with pytest.raises(BackendError, match="HTTP 503"):
+            backend.generate([f"prompt {i}" for i in range(16)], max_new_tokens=4)
+    finally:
+        server.close()
+    assert 4 <= len(server.requests) <= 2 * 4  # two at a time, each at most its 4 attempts (16 before)
 
 
 def test_vllm_backend_without_vllm_says_how_to_get_it():

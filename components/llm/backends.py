@@ -235,25 +235,35 @@ class OpenAICompatibleBackend:
         self.backoff_s = backoff_s
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
+        failed = threading.Event()  # one request out of retries fails the call: the others stop trying
+
         def one(prompt: Prompt) -> str:
             body: dict[str, Any] = {"model": self.model, "max_tokens": max_new_tokens, "temperature": temperature}
             if self.stop:
                 body["stop"] = self.stop
-            if isinstance(prompt, str):
-                choice = self._post("/completions", {**body, "prompt": prompt})["choices"][0]
-                return _with_stop(choice["text"] or "", choice, self.stop)
-            choice = self._post("/chat/completions", {**body, "messages": prompt})["choices"][0]
-            return _with_stop(choice["message"]["content"] or "", choice, self.stop)
+            try:
+                if isinstance(prompt, str):
+                    choice = self._post("/completions", {**body, "prompt": prompt}, failed)["choices"][0]
+                    return _with_stop(choice["text"] or "", choice, self.stop)
+                choice = self._post("/chat/completions", {**body, "messages": prompt}, failed)["choices"][0]
+                return _with_stop(choice["message"]["content"] or "", choice, self.stop)
+            except BackendError:
+                failed.set()
+                raise
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
             return list(pool.map(one, prompts))
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], failed: threading.Event | None = None) -> dict[str, Any]:
+        """The endpoint's JSON reply; BackendError once retries run out, or at once when `failed` says another
+        request of the same call has given up (an endpoint that is down costs one request's retries, not each one's)."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), headers, method="POST")
         for attempt in range(self.max_retries + 1):
+            if failed is not None and failed.is_set():
+                raise BackendError(f"{self.base_url}{path}: not sent, another request of this call failed")
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     return json.loads(response.read())
