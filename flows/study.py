@@ -2,7 +2,8 @@
 the table.
 
 Thin, like flows/pipeline.py: DVC reruns only what a variant's params change (the ablations reuse the cached
-warm start, sim-to-real variants the cached synthetic RL), each finished run's metrics are kept in
+warm start, sim-to-real variants the cached synthetic RL, and real-environment rows leave synthetic RL out), each
+finished run's metrics are kept in
 `study.results_dir/<environment>/<variant>-seed<k>/` so a rerun skips it, and the report is a Prefect artifact.
 
 With `study.on_work_pool`, each run is a flow run of the `study_row` deployment on `prefect.work_pool` instead: a
@@ -57,9 +58,28 @@ def restore_params() -> bool:
 ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by flow run, in the worker's checkout
 
 
-def run_command(overrides: dict, target: str) -> list[str]:
-    return ["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}" for key, value in overrides.items()],
-            target]
+def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> list[str]:
+    """`dvc exp run` with the overrides, up to `target`; without the stage the run needs nothing from
+    (`study.stage_not_needed`) when its outputs are there: then the stages before `target` are named one by one in
+    DVC's order (`--single-item`), each still run when it changed."""
+    sets = [f"--set-param={key}={json.dumps(value)}" for key, value in overrides.items()]
+    stages = stages_without(target, skipped, cwd) if (skipped := study.stage_not_needed(overrides, target)) else None
+    return ["dvc", "exp", "run", *sets, *(["--single-item", *stages] if stages else [target])]
+
+
+def stages_without(target: str, skipped: str, cwd: str | Path | None = None) -> list[str] | None:
+    """The pipeline stages `target` needs, itself last, in the order DVC runs them, leaving out `skipped` and what
+    only it needs; None when `skipped`'s outputs are not in the workspace (its dependents would miss them)."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(cwd or ".")) as repo:
+        graph = repo.index.graph.copy()  # a stage -> the stages it depends on
+        stages = {getattr(stage, "name", None): stage for stage in graph.nodes}
+        if not all(out.exists for out in stages[skipped].outs):
+            return None
+        graph.remove_node(stages[skipped])
+        return [stage.name for stage in nx.dfs_postorder_nodes(graph, stages[target]) if getattr(stage, "cmd", None)]
 
 
 def head_commit(cwd: str | Path = ".") -> str:
@@ -79,7 +99,7 @@ def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, c
     its experience model in a run of its own (`study.scoring_overrides`: fallbacks measured, not a reason to stop),
     so that its failing loses none of the row's evaluation; why the model was not scored, or None. Rows sharing an
     experience model score it once: DVC restores the others from its run cache."""
-    run_logged(run_command(overrides, target), cwd=cwd)
+    run_logged(run_command(overrides, target, cwd), cwd=cwd)
     if not measures_simulator:
         return None
     try:

@@ -496,6 +496,41 @@ def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(t
     assert run("git", "show", ":params.yaml", cwd=tmp_path).stdout == "seed: 2\n"
 
 
+def test_a_real_environment_row_does_not_rerun_synthetic_rl_whose_code_changed(tmp_path, monkeypatch):
+    """A real-environment row's policy never meets synthetic RL, but sim_to_real depends on its output, so DVC reran
+    it (49 minutes of a cpu row) whenever its code had changed since. The row's `dvc exp run` names the other stages
+    one by one instead, each still run when it changed; with synthetic RL's output missing, it runs the whole way."""
+    from flows.study import run_command
+
+    (tmp_path / "dvc.yaml").write_text("""stages:
+  train_policy_sft: {cmd: cat params.yaml > sft.txt, params: [seed], outs: [sft.txt]}
+  synthetic_rl: {cmd: cat sft.txt rl_code.txt > rl.txt, deps: [sft.txt, rl_code.txt], outs: [rl.txt]}
+  sim_to_real: {cmd: cat sft.txt > s2r.txt, deps: [sft.txt, rl.txt], params: [sim_to_real], outs: [s2r.txt]}
+  evaluate_policies: {cmd: cat s2r.txt rl.txt > eval.txt, deps: [s2r.txt, rl.txt], params: [evaluate], outs: [eval.txt]}
+""")
+    (tmp_path / "params.yaml").write_text("seed: 0\nsim_to_real: {start_from: synthetic_rl}\n"
+                                          "evaluate: {policies: [sim_to_real, synthetic_rl]}\n")
+    (tmp_path / "rl_code.txt").write_text("v1\n")
+    run("git", "init", "-q", cwd=tmp_path)
+    run("dvc", "init", "-q", cwd=tmp_path)
+    run("dvc", "repro", "-q", cwd=tmp_path)
+    commit_project(tmp_path, monkeypatch)
+    (tmp_path / "rl_code.txt").write_text("v2\n")  # synthetic RL's code changed since it ran
+    commit_project(tmp_path, monkeypatch)
+    real_row = {"seed": 1, "sim_to_real.start_from": "sft", "evaluate.policies": ["sim_to_real"]}
+
+    command = run_command(real_row, "evaluate_policies", tmp_path)
+    assert command[command.index("--single-item"):] == ["--single-item", "train_policy_sft", "sim_to_real",
+                                                         "evaluate_policies"]
+    ran = run(*command, cwd=tmp_path).stdout
+    assert "Running stage 'train_policy_sft'" in ran and "Running stage 'evaluate_policies'" in ran  # seed changed
+    assert "synthetic_rl" not in ran and (tmp_path / "rl.txt").read_text().endswith("v1\n")  # not run again
+    # a DreamGym row needs synthetic RL: it runs the whole way, and so does any row once synthetic RL's output is gone
+    assert run_command({"seed": 1}, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
+    (tmp_path / "rl.txt").unlink()
+    assert run_command(real_row, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
+
+
 def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):
     """Two rounds on real TextWorld games: each plays synthetic RL, sim-to-real and the replay audit, onboards what
     the policy met beside the seed, retrains the experience model on it and measures it on held-out play; a rerun

@@ -24,6 +24,7 @@ from components.results.study import (
     select_rows,
     select_variants,
     sign_test,
+    stage_not_needed,
     success_plot,
     variants,
 )
@@ -230,6 +231,10 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     assert {v.name: v.measures_simulator for v in variants(("grpo",))} == {
         "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False, "no-curriculum": True,
         "no-retrieval": True, "no-reasoning": True, "s2r-correction": False}
+    # and the real-environment rows alone need nothing of synthetic RL (flows.study.run_command leaves it out)
+    assert {v.name: stage_not_needed(run_overrides(v, 0, 700, 0.1, 3, 28), v.target) for v in variants(("grpo",))} \
+        == {"dreamgym-grpo": None, "real-grpo": "synthetic_rl", "real-grpo-s2r-budget": "synthetic_rl",
+            "no-curriculum": None, "no-retrieval": None, "no-reasoning": None, "s2r-correction": None}
     tw = "textworld-cooking"
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()

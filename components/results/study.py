@@ -137,6 +137,15 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
     return overrides
 
 
+def stage_not_needed(overrides: dict[str, Any], target: str) -> str | None:
+    """The pipeline stage a run with these overrides needs nothing from: synthetic RL for a real-environment row
+    (sim-to-real from the warm start, no synthetic-RL policy evaluated). DVC would still rerun it whenever its code
+    changed since it last ran, as its output is a dependency of sim_to_real's (about 49 minutes of a cpu row)."""
+    real_only = (overrides.get("sim_to_real.start_from") == "sft"
+                 and "synthetic_rl" not in overrides.get("evaluate.policies", ["synthetic_rl"]))
+    return "synthetic_rl" if target == "evaluate_policies" and real_only else None
+
+
 def scoring_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """The params of a row's scoring of its experience model (evaluate_experience_model): the row's, with no
     fallback budget. Why: there the fallbacks are what is measured (the runs table shows their share), and a model
