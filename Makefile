@@ -14,8 +14,10 @@ export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 # Two workers: most tests wait on single-threaded subprocesses (dvc, dreamgym stages), so two keep two cores busy;
 # each worker starts its own Prefect and S3 servers, so more cost memory without gaining on a 2-core machine.
+# worksteal: a worker that runs out takes the other's queued tests, so the suite's few 2-3 minute tests do not end it
+# on one worker while the other waits
 TEST_WORKERS ?= 2
-PYTEST_ARGS ?= -n $(TEST_WORKERS) -m "not slow and not gpu and not external"
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist worksteal -m "not slow and not gpu and not external"
 
 .PHONY: run test setup system lock clean
 run: setup
