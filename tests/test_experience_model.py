@@ -148,6 +148,7 @@ def test_grounded_trace_says_where_the_state_puts_the_object_before_the_verdict(
     assert "does not mention 'potato'" not in grounded(OPEN, "take potato", False)
     assert "does not mention 'pot'" in grounded(OPEN, "take pot", False)
     assert "mention" not in grounded('[3] button "OK"', "click [3]", True)
+    assert "mention" not in grounded('[3] input_text value="a"', 'press "Enter"', True)
     # off (the default), the trace is as before
     assert "mention" not in deterministic_trace(_step(OPEN, "take red potato from fridge", TAKEN, valid_action=True))
 

@@ -154,8 +154,8 @@ def _grounding_sentence(action: str, state: str) -> str:
     learns how often commands are refused, not which (reports/research/experience_model/refusals/). Web actions
     name an element by reference instead, which `_action_sentence` quotes."""
     target = action.strip().partition(" ")[2].strip()
-    if not target or re.search(r"\[-?\d+\]", target):
-        return ""
+    if not target or target.startswith('"') or re.search(r"\[-?\d+\]", target):
+        return ""  # nothing named, a key (`press "Enter"`) or an element by reference
     thing, *place = _PLACE_WORDS.split(target, maxsplit=1)
     where = list(dict.fromkeys(label.rstrip(":") for label, text in sections(state) if label and _names(text, thing)))
     if not where:
