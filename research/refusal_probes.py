@@ -11,7 +11,9 @@ keeps the replays. `score` asks the experience model of this checkout (params.ya
 of each replay that the game refused (up to it, the synthetic episode and the game agreed on what the policy did;
 after it their states part), with the history the replay had, and prints how many it answers as the game did: the
 same first line of the observation, or at least a refusal (a line the game answers refused commands with in the
-replays, with no reward and the episode going on), and how many it rewards, ends or falls back on. Cost: the real
+replays, with no reward and the episode going on), and how many it rewards, ends or falls back on; each row keeps
+the model's reasoning, and `fact_stated` says whether it holds the step's `annotation.grounding_sentence` (where the
+state mentions the command's object: what a model trained with `annotate.ground_objects` writes first). Cost: the real
 game's steps (seconds) to build; one experience-model call per probe to score (94 in 8.6 min on one llama.cpp
 thread, 5.7 min on two).
 
@@ -45,6 +47,7 @@ from components.data.contract import (
 from components.envs.registry import real_environment
 from components.envs.textworld_cooking import game_reply as reply
 from components.results.evaluation import replay_in_real
+from components.simulator.annotation import grounding_sentence
 from components.simulator.experience_model import PredictionStats
 from components.simulator.state_changes import sections
 from dreamgym.cli import set_overrides
@@ -88,12 +91,14 @@ def score(probes: str, overrides: dict, controls: bool = False) -> dict:
     rows = [{"action": t.action, "game": reply(t.next_state), "model": reply(p.next_state),
              "same_reply": reply(p.next_state) == reply(t.next_state),
              "refused": not p.fallback and reply(p.next_state) in refusals and p.reward == 0 and not p.done,
-             "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback}
+             "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback,
+             # a model trained with annotate.ground_objects states this fact before its verdict: did it read it right?
+             "fact_stated": grounding_sentence(t.action, t.state) in (p.reasoning or ""), "reasoning": p.reasoning}
             for t, p in zip(steps, predictions, strict=True)]
     summary = {"model": params.models.experience, "probes": "accepted step before" if controls else "first refused",
                "steps": len(rows),
                **{key: sum(row[key] for row in rows) for key in
-                  ("same_reply", "refused", "rewarded", "ended", "fallback")},
+                  ("same_reply", "refused", "rewarded", "ended", "fallback", "fact_stated")},
                "take_from": sum(row["action"].startswith("take ") and " from " in row["action"] for row in rows),
                "take_from_same_reply": sum(row["same_reply"] for row in rows
                                            if row["action"].startswith("take ") and " from " in row["action"])}

@@ -109,7 +109,7 @@ def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None 
     states the changed sections itself (`experience_model.prompt.reply: changes`), they would be written twice.
     `restate_action` off leaves out the sentence that repeats the action (its verb and object, already in the
     prompt); which element a web action names is still said. `ground_objects` adds, before the verdict, where the
-    state mentions what the action names (`_grounding_sentence`): the fact that decides whether the environment
+    state mentions what the action names (`grounding_sentence`): the fact that decides whether the environment
     accepts it, written out before the model states the verdict.
 
     `step.info` (when the object has one) supplies `valid_action`, `score`/`max_score`, `won`/`lost`/`success`,
@@ -119,7 +119,7 @@ def deterministic_trace(step: StepLike, previous_info: Mapping[str, Any] | None 
     info: Mapping[str, Any] = getattr(step, "info", None) or {}
     sentences = [_action_sentence(step.action, step.state, restate_action)]
     if ground_objects:
-        sentences.append(_grounding_sentence(step.action, step.state))
+        sentences.append(grounding_sentence(step.action, step.state))
     sentences.append(_validity_sentence(step, info))
     if describe_changes:
         sentences += _change_sentences(step.state, step.next_state)
@@ -147,7 +147,7 @@ def _action_sentence(action: str, state: str, restate: bool = True) -> str:
 _PLACE_WORDS = re.compile(r"\s+(?:from|into|in|on|onto|with|to|at)\s+")
 
 
-def _grounding_sentence(action: str, state: str) -> str:
+def grounding_sentence(action: str, state: str) -> str:
     """Where the state mentions the action's object: the sections naming it and, for "X from Y" and the like, the
     last sentence naming both. A command the environment refuses usually names something the state puts elsewhere
     (already in the inventory, in another container) or nowhere; without this fact first, a small experience model
