@@ -13,7 +13,8 @@ after it their states part), with the history the replay had, and prints how man
 same first line of the observation, or at least a refusal (a line the game answers refused commands with in the
 replays, with no reward and the episode going on), and how many it rewards, ends or falls back on; each row keeps
 the model's reasoning, and `fact_stated` says whether it holds the step's `annotation.grounding_sentence` (where the
-state mentions the command's object: what a model trained with `annotate.ground_objects` writes first). Cost: the real
+state mentions the command's object: what a model trained with `annotate.ground_objects` writes first), and
+`sections_right` whether it names the same object and sections, in any order. Cost: the real
 game's steps (seconds) to build; one experience-model call per probe to score (94 in 8.6 min on one llama.cpp
 thread, 5.7 min on two).
 
@@ -93,12 +94,14 @@ def score(probes: str, overrides: dict, controls: bool = False) -> dict:
              "refused": not p.fallback and reply(p.next_state) in refusals and p.reward == 0 and not p.done,
              "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback,
              # a model trained with annotate.ground_objects states this fact before its verdict: did it read it right?
-             "fact_stated": grounding_sentence(t.action, t.state) in (p.reasoning or ""), "reasoning": p.reasoning}
+             "fact_stated": grounding_sentence(t.action, t.state) in (p.reasoning or ""),
+             "sections_right": mentioned(grounding_sentence(t.action, t.state)) == mentioned(p.reasoning),
+             "reasoning": p.reasoning}
             for t, p in zip(steps, predictions, strict=True)]
     summary = {"model": params.models.experience, "probes": "accepted step before" if controls else "first refused",
                "steps": len(rows),
                **{key: sum(row[key] for row in rows) for key in
-                  ("same_reply", "refused", "rewarded", "ended", "fallback", "fact_stated")},
+                  ("same_reply", "refused", "rewarded", "ended", "fallback", "fact_stated", "sections_right")},
                "take_from": sum(row["action"].startswith("take ") and " from " in row["action"] for row in rows),
                "take_from_same_reply": sum(row["same_reply"] for row in rows
                                            if row["action"].startswith("take ") and " from " in row["action"])}
@@ -106,6 +109,15 @@ def score(probes: str, overrides: dict, controls: bool = False) -> dict:
         print(json.dumps(row))
     print(json.dumps(summary))
     return summary
+
+
+def mentioned(trace: str | None) -> tuple[str, frozenset[str]] | None:
+    """The object and the sections a grounding sentence says the state mentions it under (None: no such sentence),
+    so that a model's stated fact compares with the true one whatever order it lists them in."""
+    match = re.search(r"The state (?:mentions '([^']*)' under ([^.]*)\.|does not mention '([^']*)'\.)", trace or "")
+    if match is None:
+        return None
+    return match[1] or match[3], frozenset(re.split(r", | and ", match[2])) if match[2] else frozenset()
 
 
 # where a state can show the thing a command takes, in the order `explain` looks
