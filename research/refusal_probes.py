@@ -94,9 +94,8 @@ def score(probes: str, overrides: dict, controls: bool = False) -> dict:
              "refused": not p.fallback and reply(p.next_state) in refusals and p.reward == 0 and not p.done,
              "rewarded": p.reward > 0, "ended": p.done, "fallback": p.fallback,
              # a model trained with annotate.ground_objects states this fact before its verdict: did it read it right?
-             "fact_stated": grounding_sentence(t.action, t.state) in (p.reasoning or ""),
-             "sections_right": mentioned(grounding_sentence(t.action, t.state)) == mentioned(p.reasoning),
-             "reasoning": p.reasoning}
+             "fact_stated": bool(fact := grounding_sentence(t.action, t.state)) and fact in (p.reasoning or ""),
+             "sections_right": bool(fact) and mentioned(fact) == mentioned(p.reasoning), "reasoning": p.reasoning}
             for t, p in zip(steps, predictions, strict=True)]
     summary = {"model": params.models.experience, "probes": "accepted step before" if controls else "first refused",
                "steps": len(rows),
