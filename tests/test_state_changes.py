@@ -49,6 +49,7 @@ def test_the_sections_a_step_removes_go_on_one_line():
     assert apply_changes(tab_1, step) == tab_2
     assert apply_changes(tab_1, "<removed>[3]</removed>\n<removed>[4]</removed>\n<removed>[5]</removed>\n"
                                 '[6] span "delta"') == tab_2
+    assert apply_changes("a preamble\n" + PAGE, "<removed></removed>") == PAGE  # the unlabelled first section
 
 
 def test_no_changed_form_when_it_cannot_rebuild_the_next_state():

@@ -236,6 +236,7 @@ class OpenAICompatibleBackend:
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[str]:
         failed = threading.Event()  # one request out of retries fails the call: the others stop trying
+        errors: list[BackendError] = []  # the failed requests' own errors, first first
 
         def one(prompt: Prompt) -> str:
             body: dict[str, Any] = {"model": self.model, "max_tokens": max_new_tokens, "temperature": temperature}
@@ -247,12 +248,18 @@ class OpenAICompatibleBackend:
                     return _with_stop(choice["text"] or "", choice, self.stop)
                 choice = self._post("/chat/completions", {**body, "messages": prompt}, failed)["choices"][0]
                 return _with_stop(choice["message"]["content"] or "", choice, self.stop)
-            except BackendError:
+            except _NotSent:
+                raise
+            except BackendError as error:
+                errors.append(error)
                 failed.set()
                 raise
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            return list(pool.map(one, prompts))
+            try:
+                return list(pool.map(one, prompts))
+            except _NotSent:  # an earlier prompt was not sent: the error that stopped it is the one to report
+                raise errors[0] from None
 
     def _post(self, path: str, body: dict[str, Any], failed: threading.Event | None = None) -> dict[str, Any]:
         """The endpoint's JSON reply; BackendError once retries run out, or at once when `failed` says another
@@ -263,7 +270,7 @@ class OpenAICompatibleBackend:
         request = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), headers, method="POST")
         for attempt in range(self.max_retries + 1):
             if failed is not None and failed.is_set():
-                raise BackendError(f"{self.base_url}{path}: not sent, another request of this call failed")
+                raise _NotSent(f"{self.base_url}{path}: not sent, another request of this call failed")
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     return json.loads(response.read())
@@ -274,8 +281,16 @@ class OpenAICompatibleBackend:
             except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
                 if attempt == self.max_retries:
                     raise BackendError(f"{self.base_url}{path}: {error}") from error
-            time.sleep(min(self.backoff_s * 2.0**attempt, 30.0))
+            delay = min(self.backoff_s * 2.0**attempt, 30.0)
+            if failed is None:
+                time.sleep(delay)
+            else:
+                failed.wait(delay)  # another request giving up ends the wait
         raise AssertionError("unreachable")
+
+
+class _NotSent(BackendError):
+    """A request left unsent because another of its call failed (`generate` reports that one's error)."""
 
 
 def _with_stop(text: str, choice: dict[str, Any], stop: Sequence[str]) -> str:

@@ -361,14 +361,14 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     def from_scratch_seconds(self) -> float | None:
         """What its pipeline costs with nothing cached: the time each of its stages took when it ran (experience
         model, warm start, synthetic RL, sim-to-real, the held-out games and the experience model's scoring),
-        whichever run ran it; a real-environment row's leaves out synthetic RL, which it does not run
-        (`stage_not_needed`). None for a run kept without the upstream stages' metrics (UPSTREAM_FILES), and for a
-        correction run, which keeps its last round's stages but not those of the pipeline its rounds start from."""
+        whichever run ran it (a real-environment row's too: on a fresh machine it runs synthetic RL, whose outputs
+        its stages depend on, see `stage_not_needed`). None for a run kept without the upstream stages' metrics
+        (UPSTREAM_FILES), and for a correction run, which keeps its last round's stages but not those of the pipeline
+        its rounds start from."""
         upstream = [kept.get("seconds") for kept in self.upstream]
         if None in upstream or self.correction:
             return None
-        synthetic_rl = self.synthetic_rl.get("seconds", 0.0) if self.uses_synthetic_rl else 0.0
-        return sum(upstream) + synthetic_rl + self.sim_to_real.get("seconds", 0.0) \
+        return sum(upstream) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
             + self.simulator.get("seconds", 0.0) + sum(
             entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
             for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)

@@ -47,7 +47,7 @@ def apply_changes(state: str, changes: str) -> str:
     """The next state that `changes` (the form `changes()` writes) makes of `state`."""
     before = sections(state)
     lines = changes.split("\n") if changes else []
-    removed = {label for line in lines if (m := _REMOVED.fullmatch(line)) for label in m.group(1).split()}
+    removed = {label for line in lines if (m := _REMOVED.fullmatch(line)) for label in m.group(1).split() or [""]}
     kept = [line for line in lines if not _REMOVED.fullmatch(line)]
     changed = sections("\n".join(kept)) if kept else []
     replacement = dict(changed)
