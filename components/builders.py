@@ -38,6 +38,25 @@ def experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
             if t.task.environment in params.experience_model.environments]
 
 
+def experience_sft_data(params: Params, root: Path) -> tuple[list, Any]:
+    """What train_experience_model trains on: the annotated transitions of the experience model's training tasks and
+    the SFT examples made of them (`experience_model.sft_examples`; None when there is no transition)."""
+    from components.simulator.annotation import read_annotated
+    from components.simulator.experience_model import sft_examples
+
+    settings, fraction = params.experience_model, params.data.heldout_task_fraction
+    train_ids = {t.trajectory_id for t in experience_trajectories(params, root)
+                 if not is_heldout_task(t.task.task_id, fraction)}
+    annotated = [r for r in read_annotated(root / params.annotate.out_dir / "transitions.jsonl")
+                 if r.trajectory_id in train_ids]
+    if not annotated:
+        return annotated, None
+    fmt = prompt_format(params)
+    buffer = saved_buffer(params, root) if fmt.use_retrieval else None
+    return annotated, sft_examples(annotated, buffer, fmt, settings.outcome_repeats, settings.lookalike_repeats,
+                                   settings.policy_repeats, settings.refusal_repeats)
+
+
 def policy_trajectories(params: Params, root: Path, heldout: bool) -> list[Trajectory]:
     """Seed trajectories of the policy's environments, of training tasks (or of held-out ones)."""
     fraction = params.data.heldout_task_fraction

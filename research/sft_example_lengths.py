@@ -12,13 +12,10 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from components.builders import experience_trajectories, prompt_format, saved_buffer
+from components.builders import experience_sft_data
 from components.config import load_params
-from components.data.contract import is_heldout_task
 from components.llm.models import resolve_model
 from components.llm.sft import token_lengths
-from components.simulator import experience_model as em
-from components.simulator.annotation import read_annotated
 
 
 def main() -> None:
@@ -29,15 +26,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     root, params = Path("."), load_params(args.params)
-    settings, limit = params.experience_model, params.experience_model.training.max_seq_len
-    train_ids = {t.trajectory_id for t in experience_trajectories(params, root)
-                 if not is_heldout_task(t.task.task_id, params.data.heldout_task_fraction)}
-    annotated = [r for r in read_annotated(root / params.annotate.out_dir / "transitions.jsonl")
-                 if r.trajectory_id in train_ids]
-    fmt = prompt_format(params)
-    dataset = em.sft_examples(annotated, saved_buffer(params, root) if fmt.use_retrieval else None, fmt,
-                              settings.outcome_repeats, settings.lookalike_repeats, settings.policy_repeats,
-                              settings.refusal_repeats)
+    limit = params.experience_model.training.max_seq_len
+    annotated, dataset = experience_sft_data(params, root)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(params.models.experience, root / params.models.cache_dir))
     records = {(r.trajectory_id, r.step_index): r for r in annotated}
     by_task = defaultdict(list)

@@ -5,36 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from components.builders import experience_trajectories, prompt_format, saved_buffer, training_settings
+from components.builders import experience_sft_data, prompt_format, training_settings
 from components.config import Params
-from components.data.contract import is_heldout_task
 from components.llm import sft
 from components.reports import write_stage_outputs
 from components.simulator import experience_model as em
-from components.simulator.annotation import read_annotated
 from stages.common import StageError
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     """SFT the experience model (models.experience) on annotated training-task transitions: trace, then outcome."""
     root, settings = Path(root), params.experience_model
-    fraction = params.data.heldout_task_fraction
-    train_ids = {t.trajectory_id for t in experience_trajectories(params, root)
-                 if not is_heldout_task(t.task.task_id, fraction)}
-    annotated = [r for r in read_annotated(root / params.annotate.out_dir / "transitions.jsonl")
-                 if r.trajectory_id in train_ids]
+    annotated, dataset = experience_sft_data(params, root)
     if not annotated:
         raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
-    fmt = prompt_format(params)
-    buffer = saved_buffer(params, root) if fmt.use_retrieval else None
-    dataset = em.sft_examples(annotated, buffer, fmt, settings.outcome_repeats, settings.lookalike_repeats,
-                              settings.policy_repeats, settings.refusal_repeats)
     result = sft.train_sft(dataset, params.models.experience, root / settings.out_dir,
                            training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir)
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
                "train_loss": result.train_loss, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
                "resumed": result.resumed_from is not None}
-    write_stage_outputs("train_experience_model", metrics, report(params, result, fmt), root)
+    write_stage_outputs("train_experience_model", metrics, report(params, result, prompt_format(params)), root)
     return metrics
 
 
