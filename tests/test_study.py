@@ -12,12 +12,15 @@ from components.results.evaluation import wilson_interval
 from components.results.study import (
     aggregate,
     claim_verdicts,
+    claims_reading,
+    comparisons,
     detectable_difference,
     finished_runs,
     is_finished,
     keep_run,
     paired_games,
     plan,
+    plan_status,
     report,
     run_budget,
     run_overrides,
@@ -26,6 +29,7 @@ from components.results.study import (
     sign_test,
     stage_not_needed,
     success_plot,
+    untested_reasons,
     variants,
 )
 from dreamgym.cli import main
@@ -378,10 +382,51 @@ def test_without_kept_games_a_claim_counts_only_when_the_intervals_are_apart():
     # which needs no run of the ablation to say: it would play DreamGym's own schedule
     del metrics["DreamGym (GRPO) w/o curriculum"]
     rows = {line.split(" | ")[0].strip("| "): line for line in claim_verdicts(metrics, ("grpo",)).splitlines()}
-    assert "DreamGym (GRPO) w/o curriculum: not run |  |  | not tested: the curriculum accepted no generated " \
-           "task" in rows["The curriculum helps"]
+    assert "DreamGym (GRPO) w/o curriculum: not run |  |  | +6.6 points | not tested: the curriculum accepted no " \
+           "generated task" in rows["The curriculum helps"]
     metrics["DreamGym (GRPO)"][tw]["generated_tasks_mean"] = 2  # with generated tasks, only the run can tell
     assert "The curriculum helps" not in claim_verdicts(metrics, ("grpo",))
+
+
+def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_comparison_was_not_made(tmp_path):
+    """Each of the paper's claims read from its comparisons: a null that would usually have caught a gap the
+    paper's size says so; S2R's lead over real-only RL is traced (or not) to synthetic RL by the real-only run at
+    S2R's budget; a comparison with no run names the row that would make it and where it stands."""
+    tw, games = "textworld-cooking", 200
+
+    def outcomes(won):  # the first `won` games of 200
+        return {(0, f"g{i}"): i < won for i in range(games)}
+    wins = {"SFT only": 40, "DreamGym (GRPO)": 44, "DreamGym-S2R (GRPO)": 80, "GRPO in the real environment": 50,
+            "GRPO in the real environment at S2R's budget": 76}
+    metrics = {method: {tw: {**_rates(won, games), "seeds": [0]}} for method, won in wins.items()}
+    found = comparisons(metrics, ("grpo",), {(method, tw): outcomes(won) for method, won in wins.items()})
+    results = tmp_path / "results"
+    _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)}})
+    params = _cpu_study(seeds=[0], variants=["dreamgym-grpo", "no-retrieval"], environments=[tw, "miniwob"])
+    statuses = plan_status(plan(params, 28), finished_runs(results), "cpu")
+
+    text = claims_reading(found, metrics, untested_reasons(statuses), ("grpo",), ["miniwob", tw])
+
+    assert "### 1. DreamGym's synthetic-only RL matches RL in the real environment" in text
+    # 44 against 40 of 200 games: not resolved, though a gap of the paper's 28.8 points would have shown
+    assert "- Synthetic-only RL improves on the warm start, textworld-cooking, DreamGym (GRPO) against SFT only: " \
+           "**not resolved**: A higher, of 200 games both played, A alone won 4, B alone 0; sign test p = 0.12 " \
+           "(seed 0; A - B +2%, detectable 4%, the paper's +28.8 points). A gap the size of the paper's would " \
+           "usually have been detected here." in text
+    assert "**supported**: A higher, of 200 games both played, A alone won 30, B alone 0" in text  # S2R vs real
+    assert "On textworld-cooking (GRPO), DreamGym-S2R's lead over real-only RL is not shown to come from synthetic " \
+           "RL: real-only RL on the same real transitions alone won 76/200 against S2R's 80/200 (not resolved)." in text
+    # no run at all on MiniWoB, and the ablation's row not run: each named with where it stands
+    assert "- Retrieval of similar transitions helps, textworld-cooking, DreamGym (GRPO) against DreamGym (GRPO) " \
+           f"w/o retrieval: `{tw}/no-retrieval-seed0`: not run yet, its cost not measured yet." in text
+    assert "- Synthetic-only RL improves on the warm start, miniwob, DreamGym (GRPO) against SFT only: " \
+           "`miniwob/dreamgym-grpo-seed0`: not run yet, its cost not measured yet." in text
+    assert "Here, of 6 comparisons: 1 supported, 1 not resolved, 4 not tested." in text  # the second claim
+    # once real-only RL at S2R's budget is beaten too, synthetic RL first is what adds
+    metrics["GRPO in the real environment at S2R's budget"][tw] = {**_rates(50, games), "seeds": [0]}
+    found = comparisons(metrics, ("grpo",), {(m, tw): outcomes(metrics[m][tw]["successes"]) for m in metrics})
+    assert "holds against real-only RL on the same real transitions too" in claims_reading(found, metrics, {},
+                                                                                           ("grpo",))
 
 
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):
@@ -431,7 +476,7 @@ def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
         "Sim-to-real on 10% of the real transitions beats real-only RL on all of them"]
     unpaired = claim_verdicts(metrics, ("grpo",))
     assert "Synthetic-only RL improves on the warm start | textworld-cooking | DreamGym (GRPO): 8/12 | SFT only: " \
-           "2/12 | +50% | 56% | not resolved: A higher, intervals overlap" in unpaired  # 56%: 12 games a row
+           "2/12 | +50% | 56% | +28.8 points | not resolved: A higher, intervals overlap" in unpaired  # 56%: 12 games a row
 
     # a second seed plays games with the same ids: pairs are (seed, game), so 12 more pairs, not overwritten ones
     _run(tmp_path, "dreamgym-grpo-seed1", {"sft_warm_start": {tw: _evaluation(0, 12)},

@@ -516,12 +516,12 @@ def _power_z(confidence: float, power: float = 0.8) -> float:
     return NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(power)
 
 
-def _power_columns(a: dict[str, Any], b: dict[str, Any], pairs: tuple[int, int, int] | None,
-                   confidence: float) -> list[str]:
+def _difference(a: dict[str, Any], b: dict[str, Any], pairs: tuple[int, int, int] | None,
+                confidence: float) -> tuple[float, float]:
     """The observed difference A - B in success rate, and the smallest one this comparison could detect (80%
     power). Paired: at the observed share of split games. Unpaired: each row's games, at the pooled rate's
     variance."""
-    observed = f"{a['success_rate'] - b['success_rate']:+.0%}"
+    observed = a["success_rate"] - b["success_rate"]
     if pairs is not None:
         shared, a_only, b_only = pairs
         detectable = detectable_difference(shared, (a_only + b_only) / shared, confidence)
@@ -529,33 +529,90 @@ def _power_columns(a: dict[str, Any], b: dict[str, Any], pairs: tuple[int, int, 
         n = min(a["episodes"], b["episodes"])
         pooled = (a["successes"] + b["successes"]) / max(a["episodes"] + b["episodes"], 1)
         detectable = _power_z(confidence) * math.sqrt(2 * pooled * (1 - pooled) / n) if n else 1.0
-    return [observed, f"{min(detectable, 1.0):.0%}"]
+    return observed, min(detectable, 1.0)
 
 
-# The paper's claims as comparisons of two table rows: (claim, method A, method B, kind). "better": A beats B;
-# "not worse": A does at least as well as B; "better with generated tasks": "better", testable only if A's curriculum
-# accepted a generated task (else A played the ablation's schedule, episode for episode). {A} is the algorithm; the
-# ablations are on GRPO, as in the paper. {share}: A's real transitions as a share of B's, as the runs spent them.
+@dataclass(frozen=True)
+class Claim:
+    """A claim as a comparison of two table rows. kind "better": A beats B; "not worse": A does at least as well as
+    B; "better with generated tasks": "better", testable only if A's curriculum accepted a generated task (else A
+    played the ablation's schedule, episode for episode). {A} in a method is the algorithm; the ablations are on
+    GRPO, as in the paper. {share} in the text: A's real transitions as a share of B's, as the runs spent them."""
+    text: str
+    method_a: str
+    method_b: str
+    kind: str
+    paper_gap: float | None = None  # the paper's A - B on WebShop in points (../shared/DESIGN.md); None: not its
+
+
 CLAIMS = (
-    ("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better"),
-    ("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})", "{A} in the real environment",
-     "not worse"),
-    ("Sim-to-real on {share} of the real transitions beats real-only RL on all of them", "DreamGym-S2R ({A})",
-     "{A} in the real environment", "better"),
-    ("Synthetic RL first beats real-only RL on the same real transitions", "DreamGym-S2R ({A})",
-     "{A} in the real environment at S2R's budget", "better"),
-    ("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum", "better with generated tasks"),
-    ("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval", "better"),
-    ("Reasoning before predicting helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o reasoning", "better"),
-    ("On-policy correction helps sim-to-real at the same real budget", "DreamGym-S2R (GRPO) + correction",
-     "DreamGym-S2R (GRPO)", "better"),
+    Claim("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better", 63.9 - 35.1),
+    Claim("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})", "{A} in the real environment",
+          "not worse", 63.9 - 65.0),
+    Claim("Sim-to-real on {share} of the real transitions beats real-only RL on all of them", "DreamGym-S2R ({A})",
+          "{A} in the real environment", "better", 75.0 - 65.0),
+    Claim("Synthetic RL first beats real-only RL on the same real transitions", "DreamGym-S2R ({A})",
+          "{A} in the real environment at S2R's budget", "better"),
+    Claim("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum", "better with generated tasks",
+          63.9 - 57.3),
+    Claim("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval", "better",
+          63.9 - 59.2),
+    Claim("Reasoning before predicting helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o reasoning", "better",
+          63.9 - 55.8),
+    Claim("On-policy correction helps sim-to-real at the same real budget", "DreamGym-S2R (GRPO) + correction",
+          "DreamGym-S2R (GRPO)", "better"),
+)
+# The paper's three claims, its WebShop figures (success %, Llama-3.1-8B policy and experience model), and the
+# comparisons above that test each one at our scale (indices into CLAIMS).
+PAPER_CLAIMS = (
+    ("DreamGym's synthetic-only RL matches RL in the real environment",
+     "DreamGym 63.9% with no real transition beyond the seed, GRPO in the real environment 65.0% on 80K real "
+     "transitions, both from the SFT warm start's 35.1%", (0, 1)),
+    ("DreamGym-S2R beats real-only RL on a small share of its real transitions",
+     "DreamGym-S2R 75.0% on 5K real transitions against 65.0% on 80K", (2, 3, 7)),
+    ("The curriculum, retrieval and reasoning each help",
+     "DreamGym 63.9% against 57.3% without the curriculum, 59.2% without retrieval and 55.8% without reasoning",
+     (4, 5, 6)),
 )
 
 
-def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
-                   games: dict[tuple[str, str], dict[tuple[int, str], bool]] | None = None,
-                   confidence: float = 0.95) -> str:
-    """Each claim of the paper against our table, as a markdown table.
+@dataclass(frozen=True)
+class Comparison:
+    """One claim tested on one environment (and algorithm, for a claim of every algorithm): its two rows' pooled
+    results (`aggregate`), their paired games when both kept them, and the verdict."""
+    claim: Claim
+    text: str  # the claim's text, with its share filled in
+    environment: str
+    method_a: str
+    method_b: str
+    a: dict[str, Any]
+    b: dict[str, Any] | None  # None: B has no run, and the verdict is known without it
+    pairs: tuple[int, int, int] | None  # (games both played, games only A won, games only B won)
+    verdict: str
+    observed: float | None = None  # A - B in success rate
+    detectable: float | None = None  # the smallest true A - B found with 80% power here
+
+    @property
+    def outcome(self) -> str:
+        """supported, contradicted, not resolved, not contradicted, not tested or not testable."""
+        return self.verdict.partition(":")[0]
+
+
+def claim_pairs(algorithm_names: tuple[str, ...]) -> list[tuple[Claim, str, str]]:
+    """(claim, method A, method B) for every comparison the study makes: a claim of every algorithm once per
+    algorithm, the GRPO ablations once."""
+    found: dict[tuple[str, str], Claim] = {}
+    for algorithm in algorithm_names:
+        for claim in CLAIMS:
+            found.setdefault((claim.method_a.format(A=algorithm.upper()), claim.method_b.format(A=algorithm.upper())),
+                             claim)
+    return [(claim, a, b) for (a, b), claim in found.items()]
+
+
+def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
+                games: dict[tuple[str, str], dict[tuple[int, str], bool]] | None = None,
+                confidence: float = 0.95) -> list[Comparison]:
+    """Each claim against our table, wherever both its rows have results (or its verdict needs no B, see Claim).
 
     Where both rows kept their games (`paired_games`), the two methods are compared on the held-out games both
     played: a difference counts when the exact sign test on the games only one of them won gives p < 1 -
@@ -564,30 +621,127 @@ def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = (
     more conservative: with 22 games, 6 wins against 16). One test per claim, not corrected for the number of claims.
     """
     games = games or {}
-    rows = []
-    seen = set()
-    for algorithm in algorithm_names:
-        for claim, method_a, method_b, kind in CLAIMS:
-            a, b = method_a.format(A=algorithm.upper()), method_b.format(A=algorithm.upper())
-            if (a, b) in seen:
-                continue
-            seen.add((a, b))
-            for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
-                ra, rb = metrics[a][environment], metrics[b][environment]
-                pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
-                rows.append([claim.format(share=_share(ra, rb)), environment,
-                             f"{a}: {ra['successes']}/{ra['episodes']}", f"{b}: {rb['successes']}/{rb['episodes']}",
-                             *_power_columns(ra, rb, pairs, confidence), _verdict(ra, rb, kind, pairs, confidence)])
-            if kind == "better with generated tasks":  # the answer is known without the ablation's run
-                for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
-                    ra = metrics[a][environment]
-                    if not ra.get("generated_tasks_mean"):
-                        rows.append([claim, environment, f"{a}: {ra['successes']}/{ra['episodes']}", f"{b}: not run",
-                                     "", "", "not tested: the curriculum accepted no generated task, so B would "
-                                     "play A's tasks"])
+    found = []
+    for claim, a, b in claim_pairs(algorithm_names):
+        for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
+            ra, rb = metrics[a][environment], metrics[b][environment]
+            pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
+            found.append(Comparison(claim, claim.text.format(share=_share(ra, rb)), environment, a, b, ra, rb, pairs,
+                                    _verdict(ra, rb, claim.kind, pairs, confidence),
+                                    *_difference(ra, rb, pairs, confidence)))
+        if claim.kind == "better with generated tasks":  # the answer is known without the ablation's run
+            for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
+                ra = metrics[a][environment]
+                if not ra.get("generated_tasks_mean"):
+                    found.append(Comparison(claim, claim.text, environment, a, b, ra, None, None,
+                                            "not tested: the curriculum accepted no generated task, so B would play "
+                                            "A's tasks"))
+    return found
+
+
+def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
+                   games: dict[tuple[str, str], dict[tuple[int, str], bool]] | None = None,
+                   confidence: float = 0.95) -> str:
+    """`comparisons` as a markdown table, with the paper's own difference beside ours."""
+    return claims_table(comparisons(metrics, algorithm_names, games, confidence))
+
+
+def claims_table(found: list[Comparison]) -> str:
+    rows = [[c.text, c.environment, f"{c.method_a}: {c.a['successes']}/{c.a['episodes']}",
+             f"{c.method_b}: " + (f"{c.b['successes']}/{c.b['episodes']}" if c.b else "not run"),
+             "" if c.observed is None else f"{c.observed:+.0%}",
+             "" if c.detectable is None else f"{c.detectable:.0%}", _paper_gap(c.claim), c.verdict]
+            for c in found]
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
-    return markdown_table(["claim", "environment", "A", "B", "A - B", "detectable (80% power)", "verdict"], rows)
+    return markdown_table(["claim", "environment", "A", "B", "A - B", "detectable (80% power)", "paper (WebShop)",
+                           "verdict"], rows)
+
+
+def _paper_gap(claim: Claim) -> str:
+    return "not the paper's" if claim.paper_gap is None else f"{claim.paper_gap:+.1f} points"
+
+
+def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: dict[tuple[str, str], str],
+                   algorithm_names: tuple[str, ...] = ("grpo", "ppo"), environments: list[str] | None = None) -> str:
+    """A reading of each of the paper's claims (PAPER_CLAIMS), whichever way it falls: each of its comparisons
+    (`comparisons`) with its verdict beside the gap the paper reports and the gap it could detect, each comparison
+    not made with why (`untested`: (method, environment) -> why it has no result, `untested_reasons`), and what two
+    comparisons say together (where sim-to-real's gain comes from). `environments`: the study's, beside those with
+    results."""
+    made = {(c.method_a, c.method_b, c.environment): c for c in found}
+    environments = sorted(set(environments or []) | {c.environment for c in found})
+    sections = []
+    for number, (title, paper, indices) in enumerate(PAPER_CLAIMS, 1):
+        tested, not_tested, outcomes = [], [], []
+        for claim, a, b in claim_pairs(algorithm_names):
+            if CLAIMS.index(claim) not in indices:
+                continue
+            for environment in environments:
+                comparison = made.get((a, b, environment))
+                if comparison is not None and comparison.b is not None:
+                    tested.append(f"- {comparison.text}, {environment}, {a} against {b}: {_reading(comparison)}")
+                else:
+                    why = [comparison.verdict.partition(": ")[2]] if comparison else list(dict.fromkeys(
+                        untested.get((method, environment), f"{method} has no finished run")
+                        for method in (a, b) if environment not in metrics.get(method, {})))
+                    not_tested.append(f"- {claim.text.format(share='a share')}, {environment}, {a} against {b}: "
+                                      f"{'; '.join(why)}.")
+                outcomes.append(comparison.outcome if comparison else "not tested")
+        counts = ", ".join(f"{outcomes.count(outcome)} {outcome}" for outcome in (
+            "supported", "not contradicted", "not resolved", "contradicted", "not testable", "not tested")
+                           if outcome in outcomes)
+        together = _attribution(made, environments, algorithm_names) if {2, 3} <= set(indices) else ""
+        parts = [f"### {number}. {title}", f"The paper (WebShop): {paper}.",
+                 f"Here, of {len(outcomes)} comparisons: {counts or 'none'}.", "\n".join(tested), together,
+                 "Not tested:\n\n" + "\n".join(not_tested) if not_tested else ""]
+        sections.append("\n\n".join(part for part in parts if part) + "\n")
+    return "\n".join(sections)
+
+
+def _reading(comparison: Comparison) -> str:
+    """A comparison's verdict, in the reading's words: bold outcome, evidence, the gaps, and what a null means."""
+    c = comparison
+    if c.observed is None or c.detectable is None:
+        return f"**{c.outcome}**{c.verdict[len(c.outcome):]}."
+    paper = c.claim.paper_gap
+    seeds = sorted(set(c.a.get("seeds", [])) | set(c.b.get("seeds", [])))
+    gaps = f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; " * bool(seeds) + (
+        f"A - B {c.observed:+.0%}, detectable {c.detectable:.0%}") + (
+        f", the paper's {paper:+.1f} points" if paper is not None else "")
+    meaning = ""
+    if c.outcome == "not resolved" and paper is not None:
+        meaning = (" A gap the size of the paper's would usually have been detected here."
+                   if paper / 100 >= c.detectable else " The paper's gap is smaller than this comparison detects.")
+    elif c.outcome == "not contradicted":
+        meaning = f" A shortfall of {c.detectable:.0%} or more would usually have been detected here."
+    return f"**{c.outcome}**{c.verdict[len(c.outcome):]} ({gaps}).{meaning}"
+
+
+def _attribution(made: dict[tuple[str, str, str], Comparison], environments: list[str],
+                 algorithm_names: tuple[str, ...]) -> str:
+    """Where DreamGym-S2R's lead over real-only RL comes from, where it has one: real-only RL on the same real
+    transitions (CLAIMS[3]) tells whether synthetic RL first adds anything, or the few real transitions alone did."""
+    said = []
+    for algorithm in algorithm_names:
+        upper = algorithm.upper()
+        s2r, full, control = (f"DreamGym-S2R ({upper})", f"{upper} in the real environment",
+                              f"{upper} in the real environment at S2R's budget")
+        for environment in environments:
+            lead, same = made.get((s2r, full, environment)), made.get((s2r, control, environment))
+            if lead is None or lead.outcome != "supported":
+                continue
+            where = f"On {environment} ({upper}), DreamGym-S2R's lead over real-only RL"
+            if same is None or same.b is None:
+                said.append(f"{where} is not yet traced to synthetic RL: real-only RL on S2R's budget has no run.")
+            elif same.outcome == "supported":
+                said.append(f"{where} holds against real-only RL on the same real transitions too: synthetic RL "
+                            "first adds to what those transitions buy.")
+            else:
+                said.append(f"{where} is not shown to come from synthetic RL: real-only RL on the same real "
+                            f"transitions alone won {same.b['successes']}/{same.b['episodes']} against S2R's "
+                            f"{same.a['successes']}/{same.a['episodes']} ({same.outcome}).")
+    return " ".join(said)
 
 
 def _share(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -660,10 +814,24 @@ def runs_table(runs: list[Run]) -> str:
 STUDY_RUN_COMMAND = "dreamgym study run"  # runs named rows of params.yaml's study (dreamgym/cli.py)
 
 
-def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custom") -> str:
+@dataclass(frozen=True)
+class RowStatus:
+    """Where a planned run stands (`plan_status`)."""
+    row: PlannedRun
+    status: str  # "finished", "not run yet", or why it is kept with other params, cannot run or would tell nothing
+    minutes: str  # finished: its wall time; else its estimate, or "not measured yet"
+    command: str  # what runs it, for a row not run
+    estimate: float | None = None  # minutes, for a row to run whose variant has finished runs on its environment
+
+    @property
+    def to_run(self) -> bool:
+        return self.status == "not run yet"
+
+
+def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "custom") -> list[RowStatus]:
     """Every run the study plans: finished (its wall time), kept with other params than the plan's (`is_finished`
     refuses it), or not run (why, or what it would cost by the finished runs of its variant on its environment, and
-    the command that runs it alone); a line on the total left."""
+    the command that runs it alone)."""
     kept = {run.name: run for run in runs}
     status: dict[str, str] = {}  # row -> "finished" or why the run kept under its name is not this row's
     for row in planned:
@@ -677,26 +845,33 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
     for row in planned:
         if status.get(row.name) == "finished" and (cost := kept[row.name].cost_seconds) is not None:
             minutes.setdefault(row.name.rpartition("-seed")[0], []).append(cost / 60)
-    rows, left, waiting, unmeasured, idle = [], 0.0, 0, 0, 0
+    found = []
     for row in planned:
         if row.name in status:
             wall = kept[row.name].record.get("seconds") if status[row.name] == "finished" else None
-            rows.append([row.name, status[row.name], f"{wall / 60:.0f}" if wall is not None else "", ""])
+            found.append(RowStatus(row, status[row.name], f"{wall / 60:.0f}" if wall is not None else "", ""))
         elif row.why_not:
-            rows.append([row.name, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}", "", ""])
+            found.append(RowStatus(row, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}",
+                                   "", ""))
         else:
             measured = minutes.get(row.name.rpartition("-seed")[0])
             cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
             if reason := uninformative(row, runs):
-                idle += 1
-                rows.append([row.name, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"])
-                continue
-            waiting += 1
-            left += _mean(measured) if measured else 0.0
-            unmeasured += not measured
-            rows.append([row.name, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`"])
-    finished = sum(value == "finished" for value in status.values())
-    total = (f"{finished} of {len(planned)} planned runs finished; {waiting} to run"
+                found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"))
+            else:
+                found.append(RowStatus(row, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`",
+                                       _mean(measured) if measured else None))
+    return found
+
+
+def plan_table(statuses: list[RowStatus]) -> str:
+    """`plan_status` as a table, after a line on the total left."""
+    to_run = [s for s in statuses if s.to_run]
+    left = sum(s.estimate or 0.0 for s in to_run)
+    unmeasured = sum(s.estimate is None for s in to_run)
+    idle = sum(s.status.startswith("not informative") for s in statuses)
+    finished = sum(s.status == "finished" for s in statuses)
+    total = (f"{finished} of {len(statuses)} planned runs finished; {len(to_run)} to run"
              + (f", about {left / 60:.1f} h by the finished runs of their variants" if left else "")
              + (f" ({unmeasured} of a variant with no finished run on its environment yet)" if unmeasured else "")
              + (f"; {idle} not informative by the finished runs (not run unless named)" if idle else "")
@@ -705,7 +880,27 @@ def plan_table(planned: list[PlannedRun], runs: list[Run], profile: str = "custo
                "time from scratch (the runs table's: the stages a seed's rows share counted in each) where its runs "
                "kept it, else their wall time, so the total is what the rows cost on fresh machines. Each command runs "
                f"that row alone; `{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
-    return total + markdown_table(["row", "status", "minutes (finished: wall time; else estimate)", "command"], rows)
+    return total + markdown_table(["row", "status", "minutes (finished: wall time; else estimate)", "command"],
+                                  [[s.row.name, s.status, s.minutes, s.command] for s in statuses])
+
+
+def untested_reasons(statuses: list[RowStatus]) -> dict[tuple[str, str], str]:
+    """(method, environment) -> why it has no result, for each method no planned run of which has finished on that
+    environment: its rows' status (the first row's, with how many more share it) and estimate."""
+    rows: dict[tuple[str, str], list[RowStatus]] = {}
+    for status in statuses:
+        for method in status.row.variant.rows.values():
+            rows.setdefault((method, status.row.environment), []).append(status)
+    reasons = {}
+    for key, found in rows.items():
+        if any(s.status == "finished" for s in found):
+            continue
+        first = found[0]
+        more = f" (and {len(found) - 1} more seed{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""
+        cost = f", {first.minutes} min each" if first.to_run and first.estimate is not None else (
+            ", its cost not measured yet" if first.to_run else "")
+        reasons[key] = f"`{first.row.name}`{more}: {first.status}{cost}"
+    return reasons
 
 
 def _simulator_false_wins(run: Run) -> str:
@@ -787,6 +982,8 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     # the plan is params.yaml's: runs made at another named profile are another study's
     others = {kept for kept in profiles.values() if not same_study(kept, profile)}
     metrics, table = aggregate(runs, confidence)
+    found = comparisons(metrics, algorithm_names, paired_games(runs), confidence)
+    statuses = plan_status(planned, runs, profile) if planned and not others else None
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
@@ -801,21 +998,24 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
             f"\n\n{table}"
             + (f"\n![held-out success]({bars.name})\n" if bars else "")
             + f"\n## The paper's claims at this scale\n\n{CLAIMS_NOTE.format(alpha=1 - confidence)}\n\n"
-            + claim_verdicts(metrics, algorithm_names, paired_games(runs), confidence)
+            + claims_table(found)
+            + f"\n## A reading of each claim\n\n{READING_NOTE}\n\n"
+            + claims_reading(found, metrics, untested_reasons(statuses or []), algorithm_names,
+                             sorted({status.row.environment for status in statuses or []}))
             + f"\n## Runs\n\n{runs_table(runs)}"
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
-            + _plan_section(planned, runs, profile, others, budget))
+            + _plan_section(planned, statuses, profile, others, budget))
     return metrics, text
 
 
-def _plan_section(planned: list[PlannedRun] | None, runs: list[Run], profile: str, others: set[str],
-                  budget: str) -> str:
+def _plan_section(planned: list[PlannedRun] | None, statuses: list[RowStatus] | None, profile: str,
+                  others: set[str], budget: str) -> str:
     if not planned:
         return ""
     if others:
         return (f"\nPlanned runs: not listed. These runs were made at profile {', '.join(sorted(others))} and the plan "
                 f"is params.yaml's, at profile {profile}.\n")
-    return f"\n## Planned runs\n\n{budget + ' ' if budget else ''}{plan_table(planned, runs, profile)}"
+    return f"\n## Planned runs\n\n{budget + ' ' if budget else ''}{plan_table(statuses or [])}"
 
 
 def write_report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
@@ -843,6 +1043,13 @@ CLAIMS_NOTE = ("Both methods of a claim play the same held-out games, greedily. 
                "80% power at that level (McNemar's normal approximation over the games both played, seeds pooled, "
                "with their observed share of split games; unpaired, the pooled rate's variance): a difference "
                "smaller than it would usually read \"not resolved\" here.")
+
+
+READING_NOTE = ("Each of the paper's three claims, from the comparisons above that test it, beside the gap the paper "
+                "reports on WebShop (its scale: an 8B policy and experience model, 80K real transitions) and the gap "
+                "each comparison could detect; and the comparisons not made, with why. Where a comparison is not "
+                "resolved, a paper's gap larger than the detectable one weighs against the claim at our scale; a "
+                "smaller one leaves it open.")
 
 
 def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
