@@ -476,7 +476,7 @@ def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
         "Sim-to-real on 10% of the real transitions beats real-only RL on all of them"]
     unpaired = claim_verdicts(metrics, ("grpo",))
     assert "Synthetic-only RL improves on the warm start | textworld-cooking | DreamGym (GRPO): 8/12 | SFT only: " \
-           "2/12 | +50% | 56% | +28.8 points | not resolved: A higher, intervals overlap" in unpaired  # 56%: 12 games a row
+           "2/12 | +50% | 56% | +28.8 points | not resolved: A higher, intervals overlap" in unpaired  # 12 games a row
 
     # a second seed plays games with the same ids: pairs are (seed, game), so 12 more pairs, not overwritten ones
     _run(tmp_path, "dreamgym-grpo-seed1", {"sft_warm_start": {tw: _evaluation(0, 12)},
