@@ -161,8 +161,9 @@ def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_comman
            "to B = 336 real transitions, DreamGym-S2R and its correction row up to 33 (10% of B); each policy plays " \
            "200 held-out games per environment." in text
 
-    assert "1 of 12 planned runs finished; 6 to run, about 1.5 h by the finished runs of their variants (5 of a " \
-           "variant with no finished run on its environment yet)" in text
+    assert "1 of 12 planned runs finished; 6 to run, about 1.5 h by the finished runs of their variants or, where " \
+           "named, of a variant they cost like (5 not estimated: no finished run on their environment to cost them " \
+           "by)" in text
     assert f"| {tw}/dreamgym-grpo-seed0 | finished | 90 |  |" in text
     assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 90 (mean of 1) | `dreamgym study run " \
            f"{tw}/dreamgym-grpo-seed1` |" in text
@@ -210,8 +211,12 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
             "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in its 1 finished run(s) "
             f"on {tw}, so DreamGym played the base task schedule") in text
     assert f"`dreamgym study run {tw}/no-curriculum-seed0` runs it anyway |" in text
-    assert "1 of 4 planned runs finished; 1 to run, about 2.3 h by the finished runs of their variants; 2 not " \
-           "informative by the finished runs (not run unless named)" in text
+    assert "1 of 4 planned runs finished; 1 to run, about 2.3 h by the finished runs of their variants or, where " \
+           "named, of a variant they cost like; 2 not informative by the finished runs (not run unless named)" in text
+    # an ablation with no run of its own costs what DreamGym (GRPO)'s runs did, and says so
+    assert f"| {tw}/no-curriculum-seed1 | not informative: " in text
+    assert f"| about 140 (as dreamgym-grpo, mean of 1) | `dreamgym study run {tw}/no-curriculum-seed1` runs it " \
+           "anyway |" in text
     assert "(0.3 h of runs as they ran; 2.3 h from scratch, summed over the 1 that kept their stages' times, " \
            "profile cpu)" in text
 
@@ -280,7 +285,8 @@ def test_a_profiles_study_is_reported_without_switching_params_yaml_to_it(tmp_pa
     assert main(["study", "report", "--profile", "cpu"]) == 0
 
     readme = Path("reports/results_study/cpu/README.md").read_text()
-    assert "0 of 60 planned runs finished; 60 to run (60 of a variant with no finished run on its environment yet)" \
+    assert "0 of 60 planned runs finished; 60 to run (60 not estimated: no finished run on their environment to " \
+           "cost them by)" \
         in readme and "| miniwob/s2r-correction-seed2 | not run yet |" in readme
     assert Path("params.yaml").read_text() == (REPO / "params.yaml").read_text()
     assert main(["study", "run", "--profile", "cpu"]) == 2

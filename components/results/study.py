@@ -47,6 +47,8 @@ class Variant:
     rows: dict[str, str]  # evaluate_policies label -> the method (row of the table) it stands for
     real_budget: str  # what it spends: "s2r" (s2r_share x B in sim_to_real), "full" (B), "correction" (run_overrides)
     target: str = "evaluate_policies"  # the DVC stage its run ends with
+    costs_like: str | None = None  # the variant whose finished runs estimate its cost until it has its own
+
 
     @property
     def measures_simulator(self) -> bool:
@@ -75,25 +77,31 @@ def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant
     for number, algorithm in enumerate(algorithm_names):
         upper = algorithm.upper()
         warm_start = {"sft_warm_start": "SFT only"} if number == 0 else {}
+
+        def like(prefix: str, suffix: str = "") -> str | None:  # the first algorithm's runs of the same kind
+            return f"{prefix}-{algorithm_names[0]}{suffix}" if number else None
         found += [
             Variant(f"dreamgym-{algorithm}", {"synthetic_rl.algorithm": algorithm},
                     {**warm_start, f"synthetic_{algorithm}": f"DreamGym ({upper})",
-                     "sim-to-real": f"DreamGym-S2R ({upper})"}, "s2r"),
+                     "sim-to-real": f"DreamGym-S2R ({upper})"}, "s2r", costs_like=like("dreamgym")),
             Variant(f"real-{algorithm}", {"synthetic_rl.algorithm": algorithm, "sim_to_real.start_from": "sft"},
-                    {"sim-to-real": f"{upper} in the real environment"}, "full"),
+                    {"sim-to-real": f"{upper} in the real environment"}, "full", costs_like=like("real")),
             # DreamGym-S2R's real transitions spent from the warm start: what synthetic RL adds to sim-to-real
             Variant(f"real-{algorithm}-s2r-budget", {"synthetic_rl.algorithm": algorithm,
                                                      "sim_to_real.start_from": "sft"},
-                    {"sim-to-real": f"{upper} in the real environment at S2R's budget"}, "s2r"),
+                    {"sim-to-real": f"{upper} in the real environment at S2R's budget"}, "s2r",
+                    costs_like=like("real", "-s2r-budget")),
         ]
     grpo = {"synthetic_rl.algorithm": "grpo"}  # whatever params.yaml says: the rows are GRPO's
+    # an ablation runs DreamGym's stages (its experience model reads or writes less): DreamGym (GRPO)'s runs
+    # estimate its cost until it has runs of its own
     found += [
         Variant("no-curriculum", {**grpo, "synthetic_rl.curriculum.enabled": False},
-                {"synthetic_grpo": "DreamGym (GRPO) w/o curriculum"}, "s2r"),
+                {"synthetic_grpo": "DreamGym (GRPO) w/o curriculum"}, "s2r", costs_like="dreamgym-grpo"),
         Variant("no-retrieval", {**grpo, "experience_model.prompt.use_retrieval": False},
-                {"synthetic_grpo": "DreamGym (GRPO) w/o retrieval"}, "s2r"),
+                {"synthetic_grpo": "DreamGym (GRPO) w/o retrieval"}, "s2r", costs_like="dreamgym-grpo"),
         Variant("no-reasoning", {**grpo, "experience_model.prompt.use_reasoning": False},
-                {"synthetic_grpo": "DreamGym (GRPO) w/o reasoning"}, "s2r"),
+                {"synthetic_grpo": "DreamGym (GRPO) w/o reasoning"}, "s2r", costs_like="dreamgym-grpo"),
         Variant("s2r-correction", {**grpo, "correction.feedback": True},
                 {"sim-to-real": "DreamGym-S2R (GRPO) + correction"}, "correction", "correction_rounds"),
     ]
@@ -856,6 +864,9 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
         else:
             measured = minutes.get(row.name.rpartition("-seed")[0])
             cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
+            like = row.variant.costs_like
+            if not measured and like and (measured := minutes.get(f"{row.environment}/{like}")):
+                cost = f"about {_mean(measured):.0f} (as {like}, mean of {len(measured)})"
             if reason := uninformative(row, runs):
                 found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"))
             else:
@@ -872,8 +883,10 @@ def plan_table(statuses: list[RowStatus]) -> str:
     idle = sum(s.status.startswith("not informative") for s in statuses)
     finished = sum(s.status == "finished" for s in statuses)
     total = (f"{finished} of {len(statuses)} planned runs finished; {len(to_run)} to run"
-             + (f", about {left / 60:.1f} h by the finished runs of their variants" if left else "")
-             + (f" ({unmeasured} of a variant with no finished run on its environment yet)" if unmeasured else "")
+             + (f", about {left / 60:.1f} h by the finished runs of their variants or, where "
+                "named, of a variant they cost like" if left else "")
+             + (f" ({unmeasured} not estimated: no finished run on their environment to cost them by)"
+                if unmeasured else "")
              + (f"; {idle} not informative by the finished runs (not run unless named)" if idle else "")
              + ". A run's wall time is what it took where it ran: one that DVC restored earlier stages for takes "
                "less than one that trains its experience model and warm start. A row's estimate is its variant's "
@@ -897,7 +910,7 @@ def untested_reasons(statuses: list[RowStatus]) -> dict[tuple[str, str], str]:
             continue
         first = found[0]
         more = f" (and {len(found) - 1} more seed{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""
-        cost = f", {first.minutes} min each" if first.to_run and first.estimate is not None else (
+        cost = f", about {first.estimate:.0f} min each" if first.to_run and first.estimate is not None else (
             ", its cost not measured yet" if first.to_run else "")
         reasons[key] = f"`{first.row.name}`{more}: {first.status}{cost}"
     return reasons
