@@ -248,6 +248,9 @@ class ExperienceModelParams(Section):
                           "times more (on-policy data's weight)")
     refusal_repeats: int = Field(ge=1, description="training steps whose command the environment refused appear this "
                                  "many times")
+    verdict_weight: float = Field(
+        ge=1, description="the loss weight of the trace's verdict token (accepted or rejected) against the target's "
+                          "other tokens (1: plain SFT)")
     inference: InferenceParams
     max_fallback_rate: float = Field(
         ge=0, le=1, description="share of predictions that may fall back (unparsable) before a stage using the "

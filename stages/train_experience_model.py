@@ -10,6 +10,7 @@ from components.config import Params
 from components.llm import sft
 from components.reports import write_stage_outputs
 from components.simulator import experience_model as em
+from components.simulator.annotation import VERDICT_WORDS
 from stages.common import StageError
 
 
@@ -20,7 +21,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     if not annotated:
         raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
     result = sft.train_sft(dataset, params.models.experience, root / settings.out_dir,
-                           training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir)
+                           training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir,
+                           emphasis=sft.Emphasis(VERDICT_WORDS, settings.verdict_weight))
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
                "train_loss": result.train_loss, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
                "resumed": result.resumed_from is not None}
@@ -34,7 +36,8 @@ def report(params: Params, result: sft.TrainingResult, fmt: em.PromptFormat) -> 
             f"annotated training-task transitions in {', '.join(settings.environments)}, rewarded or terminal ones "
             f"repeated {settings.outcome_repeats} times, look-alikes {settings.lookalike_repeats} times, refused "
             f"commands {settings.refusal_repeats} times, a policy's "
-            f"own real transitions {settings.policy_repeats} times as often "
+            f"own real transitions {settings.policy_repeats} times as often, the verdict token weighing "
+            f"{settings.verdict_weight:g} times the other target tokens "
             f"({result.too_long} left out as "
             f"longer than {settings.training.max_seq_len} tokens): {result.global_step} optimizer steps, "
             f"{result.summary()}. Reasoning in the target: {fmt.use_reasoning}; retrieved examples in the "

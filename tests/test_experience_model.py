@@ -23,13 +23,16 @@ from components.llm.backends import (
 from components.llm.gguf_export import export_gguf, gguf_path
 from components.llm.models import build_tiny_causal_lm
 from components.llm.sft import (
+    Emphasis,
     _lora_targets,
     has_trained_model,
     load_trained_model,
     train_sft,
+    weighted_trainer,
 )
 from components.simulator.annotation import (
     DETERMINISTIC,
+    VERDICT_WORDS,
     HFTeacher,
     annotate,
     annotation_summary,
@@ -707,6 +710,50 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
     # and its training time, read from the checkpoint (this invocation trained nothing)
     assert 0 < again.seconds == float((checkpoint / "training_seconds.txt").read_text()) <= result.seconds
     load_trained_model(again.model_dir)
+
+
+def test_the_verdict_token_weighs_more_in_the_loss_and_a_changed_weight_starts_training_over(tiny: Path,
+                                                                                            tmp_path: Path):
+    """weighted_trainer's loss at weight 1 is TRL's own; at weight w a verdict token of the target counts w times.
+    Training with it runs, and a run with another weight is another recipe: it does not resume the first."""
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from components.llm.models import CHATML_TEMPLATE
+
+    dataset = sft_examples(annotate([_trajectory("tw-1")]), None, fmt(), outcome_repeats=1, lookalike_repeats=1)
+    assert any(f"The environment {VERDICT_WORDS[0]} it" in row["completion"][0]["content"] for row in dataset)
+    model, tokenizer = load_trained_model(tiny)
+    tokenizer.chat_template = tokenizer.chat_template or CHATML_TEMPLATE
+    args = SFTConfig(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=3, completion_only_loss=True,
+                     use_cpu=True, report_to="none", max_length=1536)
+    examples = dataset.select_columns(["prompt", "completion"])
+    plain = SFTTrainer(model=model, args=args, train_dataset=examples, processing_class=tokenizer)
+    batch = next(iter(plain.get_train_dataloader()))
+    verdicts = Emphasis(VERDICT_WORDS, 5.0).token_ids(tokenizer)
+    emphasized = torch.isin(batch["labels"][:, 1:], torch.tensor(verdicts))
+    assert emphasized.any()
+
+    def loss(trainer):
+        with torch.no_grad():
+            return trainer.compute_loss(model, dict(batch), return_outputs=True)
+    same = weighted_trainer(verdicts, 1.0)(model=model, args=args, train_dataset=examples, processing_class=tokenizer)
+    assert torch.allclose(loss(same)[0], loss(plain)[0])
+    weighted, outputs = loss(weighted_trainer(verdicts, 5.0)(model=model, args=args, train_dataset=examples,
+                                                             processing_class=tokenizer))
+    assert torch.allclose(weighted, (-outputs.log_probs * (1 + 4 * emphasized)).sum() / outputs.label_mask.sum())
+    assert weighted > loss(plain)[0]
+
+    settings = settings_from_params("training", epochs=1.0, max_steps=1, learning_rate=2e-4, batch_size=1,
+                                    gradient_accumulation_steps=1, max_seq_len=1536, precision="fp32", save_steps=1,
+                                    lora=settings_from_params("lora", r=4, alpha=8, top_layers=1))
+    trained = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,
+                        emphasis=Emphasis(VERDICT_WORDS, 20.0))
+    assert trained.global_step == 1 and trained.final_loss is not None
+    assert train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path).resumed_from is None
+    # weight 1 is plain SFT, the recipe of no emphasis: it resumes the plain run
+    assert train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,
+                     emphasis=Emphasis(VERDICT_WORDS, 1.0)).resumed_from is not None
 
 
 def test_lora_top_layers_targets_only_the_top_layers(tiny: Path):

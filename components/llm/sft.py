@@ -105,14 +105,55 @@ class TrainingResult:
 SECONDS_FILE = "training_seconds.txt"  # in each checkpoint: the training time up to it, earlier invocations included
 
 
+@dataclass(frozen=True)
+class Emphasis:
+    """Target words whose first token weighs `weight` times the others in the loss. Why: a decision one token carries
+    (the experience model's verdict on a command) is a few hundredths of a loss averaged over the hundreds of
+    next-state tokens around it."""
+
+    words: tuple[str, ...]
+    weight: float
+
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The first token of each word as it stands in running text (after a space) and at a line's start."""
+        return sorted({tokenizer.encode(text, add_special_tokens=False)[0]
+                       for word in self.words for text in (f" {word}", word)})
+
+
+def weighted_trainer(token_ids: list[int], weight: float) -> Any:
+    """An SFTTrainer class whose loss weighs the target tokens in `token_ids` `weight` times the others: TRL's own
+    per-token log-probabilities (its fused LM head, no full logits), summed with the weights and divided by the
+    batch's target tokens, as TRL divides its loss. At weight 1 it is TRL's loss. It logs no entropy or token
+    accuracy (TRL's compute_loss does)."""
+    import torch
+    from trl import SFTTrainer
+
+    class WeightedSFTTrainer(SFTTrainer):
+        def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
+            target = inputs["labels"][:, 1:].to(outputs.log_probs.device)  # log_probs[:, t] scores token t + 1
+            emphasized = torch.isin(target, torch.tensor(token_ids, device=target.device))
+            tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = (-outputs.log_probs * torch.where(emphasized, weight, 1.0)).sum() / torch.as_tensor(
+                tokens).clamp(min=1)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:  # as TRL's compute_loss
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            return (loss, outputs) if return_outputs else loss
+
+    return WeightedSFTTrainer
+
+
 def train_sft(
     dataset: Dataset,
     base_model: str,
     output_dir: str | Path,
     settings: TrainingSettings,
     cache_dir: str | Path = ".cache/models",
+    emphasis: Emphasis | None = None,
 ) -> TrainingResult:
-    """SFT `base_model` (packaged alias, hub id or local path) on `dataset` with TRL's SFTTrainer.
+    """SFT `base_model` (packaged alias, hub id or local path) on `dataset` with TRL's SFTTrainer (`emphasis`: target
+    words the loss weighs more, `weighted_trainer`).
 
     Layout: `output_dir/checkpoints/` holds the trainer's checkpoints; a rerun with the same data and settings resumes
     from the last one (a stopped job loses at most `save_steps` steps), and a rerun with different data or settings
@@ -128,7 +169,8 @@ def train_sft(
     checkpoints = output_dir / "checkpoints"
     dataset = dataset.select_columns(["prompt", "completion"])
     # Resuming is only correct for the same data and settings; anything else starts from the base model.
-    fingerprint = _fingerprint(dataset, base_model, settings)
+    emphasis = emphasis if emphasis is not None and emphasis.weight != 1 else None
+    fingerprint = _fingerprint(dataset, base_model, settings, emphasis)
     with distributed.main_process_first():  # one process cleans up and converts a packaged model; the rest wait
         if distributed.is_main_process() and discard_unless_stamped(checkpoints, fingerprint,
                                                                    checkpoints / "fingerprint.txt"):
@@ -181,7 +223,8 @@ def train_sft(
         disable_tqdm=True,  # _progress_log writes step, loss and ETA as log lines (readable in DVC and Prefect logs)
     )
     peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
-    trainer = SFTTrainer(
+    trainer_class = weighted_trainer(emphasis.token_ids(tokenizer), emphasis.weight) if emphasis else SFTTrainer
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=dataset,
@@ -276,8 +319,10 @@ def resolve_precision(precision: Literal["auto", "fp32", "bf16"]) -> Literal["fp
     return "bf16" if re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) else "fp32"
 
 
-def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings) -> str:
-    digest = hashlib.sha256(json.dumps([base_model, asdict(settings)], sort_keys=True, default=str).encode())
+def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings, emphasis: Emphasis | None = None
+                 ) -> str:
+    recipe = [base_model, asdict(settings)] + ([asdict(emphasis)] if emphasis else [])  # no emphasis: as before it
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
     for row in dataset:
         digest.update(json.dumps(row, sort_keys=True).encode())
     return digest.hexdigest()

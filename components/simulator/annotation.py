@@ -177,12 +177,15 @@ def _and_list(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+VERDICT_WORDS = ("accepted", "rejected")  # the trace's word for a command the environment took, and refused
+
+
 def _validity_sentence(step: StepLike, info: Mapping[str, Any]) -> str:
     unchanged = step.state == step.next_state
     if info.get("valid_action") is False:
-        return "The environment rejected it as invalid" + (", so nothing changed." if unchanged else ".")
+        return f"The environment {VERDICT_WORDS[1]} it as invalid" + (", so nothing changed." if unchanged else ".")
     if info.get("valid_action") is True:
-        return "The environment accepted it" + (" but it had no visible effect." if unchanged else ".")
+        return f"The environment {VERDICT_WORDS[0]} it" + (" but it had no visible effect." if unchanged else ".")
     return "It had no visible effect." if unchanged else ""
 
 
