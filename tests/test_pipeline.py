@@ -500,7 +500,7 @@ def test_a_real_environment_row_does_not_rerun_synthetic_rl_whose_code_changed(t
     """A real-environment row's policy never meets synthetic RL, but sim_to_real depends on its output, so DVC reran
     it (49 minutes of a cpu row) whenever its code had changed since. The row's `dvc exp run` names the other stages
     one by one instead, each still run when it changed; with synthetic RL's output missing, it runs the whole way."""
-    from flows.study import run_command
+    from flows.study import restore_unneeded_outputs, run_command
 
     (tmp_path / "dvc.yaml").write_text("""stages:
   train_policy_sft: {cmd: cat params.yaml > sft.txt, params: [seed], outs: [sft.txt]}
@@ -529,6 +529,11 @@ def test_a_real_environment_row_does_not_rerun_synthetic_rl_whose_code_changed(t
     assert run_command({"seed": 1}, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
     (tmp_path / "rl.txt").unlink()
     assert run_command(real_row, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
+    # a work pool's fresh workspace lacks it too: the row checks it out of the shared cache first, and leaves it out
+    restore_unneeded_outputs(real_row, "evaluate_policies", tmp_path)
+    assert (tmp_path / "rl.txt").read_text().endswith("v1\n")
+    assert "--single-item" in run_command(real_row, "evaluate_policies", tmp_path)
+    restore_unneeded_outputs({"seed": 1}, "evaluate_policies", tmp_path)  # a DreamGym row checks nothing out
 
 
 def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):
