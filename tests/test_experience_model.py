@@ -730,7 +730,10 @@ def test_the_verdict_token_weighs_more_in_the_loss_and_a_changed_weight_starts_t
     examples = dataset.select_columns(["prompt", "completion"])
     plain = SFTTrainer(model=model, args=args, train_dataset=examples, processing_class=tokenizer)
     batch = next(iter(plain.get_train_dataloader()))
-    verdicts = Emphasis(VERDICT_WORDS, 5.0).token_ids(tokenizer)
+    # the test's tokenizer learnt ' accepted' whole but splits ' rejected': weighing ' re' would weigh 'red' too
+    with pytest.raises(ValueError, match=r"' rejected' is 4 tokens .* set experience_model.verdict_weight to 1"):
+        Emphasis(VERDICT_WORDS, 5.0).token_ids(tokenizer)
+    verdicts = Emphasis(VERDICT_WORDS[:1], 5.0).token_ids(tokenizer)
     emphasized = torch.isin(batch["labels"][:, 1:], torch.tensor(verdicts))
     assert emphasized.any()
 
@@ -748,12 +751,12 @@ def test_the_verdict_token_weighs_more_in_the_loss_and_a_changed_weight_starts_t
                                     gradient_accumulation_steps=1, max_seq_len=1536, precision="fp32", save_steps=1,
                                     lora=settings_from_params("lora", r=4, alpha=8, top_layers=1))
     trained = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,
-                        emphasis=Emphasis(VERDICT_WORDS, 20.0))
+                        emphasis=Emphasis(VERDICT_WORDS[:1], 20.0))
     assert trained.global_step == 1 and trained.final_loss is not None
     assert train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path).resumed_from is None
     # weight 1 is plain SFT, the recipe of no emphasis: it resumes the plain run
     assert train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,
-                     emphasis=Emphasis(VERDICT_WORDS, 1.0)).resumed_from is not None
+                     emphasis=Emphasis(VERDICT_WORDS[:1], 1.0)).resumed_from is not None
 
 
 def test_lora_top_layers_targets_only_the_top_layers(tiny: Path):

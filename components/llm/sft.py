@@ -115,9 +115,18 @@ class Emphasis:
     weight: float
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """The first token of each word as it stands in running text (after a space) and at a line's start."""
-        return sorted({tokenizer.encode(text, add_special_tokens=False)[0]
-                       for word in self.words for text in (f" {word}", word)})
+        """The token of each word as it stands in running text (after a space). ValueError for a word the tokenizer
+        splits: weighing its first piece would weigh every other word that starts with it."""
+        ids = []
+        for word in self.words:
+            pieces = tokenizer.encode(f" {word}", add_special_tokens=False)
+            if len(pieces) != 1:
+                raise ValueError(f"' {word}' is {len(pieces)} tokens for this tokenizer "
+                                 f"({[tokenizer.decode([piece]) for piece in pieces]}), so its loss weight would "
+                                 "fall on pieces other words share: set experience_model.verdict_weight to 1 for "
+                                 "this model")
+            ids += pieces
+        return sorted(ids)
 
 
 def weighted_trainer(token_ids: list[int], weight: float) -> Any:
