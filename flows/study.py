@@ -82,12 +82,15 @@ def stages_without(target: str, skipped: str, cwd: str | Path | None = None) -> 
         return [stage.name for stage in nx.dfs_postorder_nodes(graph, stages[target]) if getattr(stage, "cmd", None)]
 
 
-def restore_unneeded_outputs(overrides: dict, target: str, cwd: str | Path) -> None:
+def restore_unneeded_outputs(overrides: dict, target: str, cwd: str | Path) -> str | None:
     """Check out, from the shared DVC cache, the outputs of the stage the row needs nothing from
     (`study.stage_not_needed`) in a fresh workspace, which holds only data.dvc's: then `run_command` can leave the
-    stage out. Where the cache lacks them the row runs it."""
-    if skipped := study.stage_not_needed(overrides, target):
-        subprocess.run(["dvc", "checkout", "--quiet", skipped], cwd=cwd, capture_output=True)
+    stage out. Where the cache lacks them the row runs it; then why the checkout failed, else None."""
+    if not (skipped := study.stage_not_needed(overrides, target)):
+        return None
+    done = subprocess.run(["dvc", "checkout", "--quiet", skipped], cwd=cwd, capture_output=True, text=True)
+    why = (done.stderr or done.stdout).strip()[-500:]
+    return None if done.returncode == 0 else f"`dvc checkout {skipped}` failed, so the row runs {skipped} too: {why}"
 
 
 def head_commit(cwd: str | Path = ".") -> str:
@@ -146,7 +149,8 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
     returned to the study. The workspace is removed after a run that finished, kept after one that failed."""
     workspace = make_workspace(".", commit, ROW_WORKSPACES / str(flow_run.id), state)
-    restore_unneeded_outputs(overrides, target, workspace)
+    if failed := restore_unneeded_outputs(overrides, target, workspace):
+        get_run_logger().warning("%s: %s", name, failed)
     get_run_logger().info("%s: running in %s", name, workspace)
     started = time.monotonic()
     not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)

@@ -23,6 +23,7 @@ from components.reports import GAMES_FILE, markdown_table, write_csv, write_stag
 from components.results.evaluation import (
     ENV_FAILURES_COLUMN,
     ENV_FAILURES_NOTE,
+    SIMULATED,
     evaluate_in_simulation,
     evaluate_policy,
     format_success,
@@ -91,9 +92,9 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                             max_action_tokens=params.policy.max_action_tokens,
                                             batched=params.policy.batched_rollouts,
                                             confidence=params.evaluate.confidence, name=label)
-            entry[f"{env.name} (simulated)"] = result.metrics()
+            entry[f"{env.name}{SIMULATED}"] = result.metrics()
             episodes += result.trajectories
-            games += result.games(key, f"{env.name} (simulated)")
+            games += result.games(key, f"{env.name}{SIMULATED}")
             accuracy = entry.get("next_action", {}).get("accuracy")
             rows.append([f"{env.name} (in the experience model)", label, result.episodes, format_success(result),
                          f"{accuracy:.3f}" if accuracy is not None else "n/a", f"{result.mean_steps:.1f}",

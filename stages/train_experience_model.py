@@ -37,7 +37,7 @@ def report(params: Params, result: sft.TrainingResult, fmt: em.PromptFormat) -> 
             f"repeated {settings.outcome_repeats} times, look-alikes {settings.lookalike_repeats} times, refused "
             f"commands {settings.refusal_repeats} times, a policy's "
             f"own real transitions {settings.policy_repeats} times as often, the verdict token weighing "
-            f"{settings.verdict_weight:g} times the other target tokens "
+            f"{settings.verdict_weight:g} times the other target tokens (the losses below are so weighted) "
             f"({result.too_long} left out as "
             f"longer than {settings.training.max_seq_len} tokens): {result.global_step} optimizer steps, "
             f"{result.summary()}. Reasoning in the target: {fmt.use_reasoning}; retrieved examples in the "

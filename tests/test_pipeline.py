@@ -530,10 +530,14 @@ def test_a_real_environment_row_does_not_rerun_synthetic_rl_whose_code_changed(t
     (tmp_path / "rl.txt").unlink()
     assert run_command(real_row, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
     # a work pool's fresh workspace lacks it too: the row checks it out of the shared cache first, and leaves it out
-    restore_unneeded_outputs(real_row, "evaluate_policies", tmp_path)
+    assert restore_unneeded_outputs(real_row, "evaluate_policies", tmp_path) is None
     assert (tmp_path / "rl.txt").read_text().endswith("v1\n")
     assert "--single-item" in run_command(real_row, "evaluate_policies", tmp_path)
-    restore_unneeded_outputs({"seed": 1}, "evaluate_policies", tmp_path)  # a DreamGym row checks nothing out
+    assert restore_unneeded_outputs({"seed": 1}, "evaluate_policies", tmp_path) is None  # a DreamGym row: nothing
+    shutil.rmtree(tmp_path / ".dvc" / "cache")  # a cache without them: the row runs synthetic RL, and says why
+    (tmp_path / "rl.txt").unlink()
+    assert "`dvc checkout synthetic_rl` failed, so the row runs synthetic_rl too" in restore_unneeded_outputs(
+        real_row, "evaluate_policies", tmp_path)
 
 
 def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):

@@ -417,23 +417,39 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     # 44 against 40 of 200 games: not resolved, though a gap of the paper's 28.8 points would have shown
     assert "- Synthetic-only RL improves on the warm start, textworld-cooking, DreamGym (GRPO) against SFT only: " \
            "**not resolved**: A higher, of 200 games both played, A alone won 4, B alone 0; sign test p = 0.12 " \
-           "(seed 0; A - B +2%, detectable 4%, the paper's +28.8 points). A gap the size of the paper's would " \
+           "(seed 0; A - B +2 points, detectable 4, the paper's +28.8). A gap the size of the paper's would " \
            "usually have been detected here." in text
     assert "**supported**: A higher, of 200 games both played, A alone won 30, B alone 0" in text  # S2R vs real
     assert "On textworld-cooking (GRPO), DreamGym-S2R's lead over real-only RL is not shown to come from synthetic " \
-           "RL: real-only RL on the same real transitions alone won 76/200 against S2R's 80/200 (not resolved)." in text
+           "RL: real-only RL at S2R's budget won 76/200 against S2R's 80/200 (not resolved)." in text
+    assert "- Synthetic RL first beats real-only RL on the same real transitions (our control), textworld-cooking" \
+        in text
     # no run at all on MiniWoB, and the ablation's row not run: each named with where it stands
     assert "- Retrieval of similar transitions helps, textworld-cooking, DreamGym (GRPO) against DreamGym (GRPO) " \
            f"w/o retrieval: `{tw}/no-retrieval-seed0`: not run yet, its cost not measured yet." in text
     assert "- Synthetic-only RL improves on the warm start, miniwob, DreamGym (GRPO) against SFT only: " \
            "`miniwob/dreamgym-grpo-seed0`: not run yet, its cost not measured yet." in text
-    assert "Here, of 6 comparisons: 1 supported, 1 not resolved, 4 not tested." in text  # the second claim
+    # the second claim: the paper's two comparisons per environment, and our two controls
+    assert "Here, of the paper's 2 comparisons, 1 supported, 1 not tested; of our controls' 4 comparisons, 1 not " \
+           "resolved, 3 not tested." in text
     # once real-only RL at S2R's budget is beaten too, synthetic RL first is what adds
     metrics["GRPO in the real environment at S2R's budget"][tw] = {**_rates(50, games), "seeds": [0]}
     found = comparisons(metrics, ("grpo",), {(m, tw): outcomes(metrics[m][tw]["successes"]) for m in metrics})
-    assert "holds against real-only RL on the same real transitions too" in claims_reading(found, metrics, {},
-                                                                                           ("grpo",))
-
+    assert "holds against real-only RL at S2R's budget too" in claims_reading(found, metrics, {}, ("grpo",))
+    # unpaired, the verdict is intervals apart, a stricter test than the power assumes: no claim about what it catches
+    unpaired = claims_reading(comparisons(metrics, ("grpo",)), metrics, {}, ("grpo",))
+    assert "**not resolved**: A higher, intervals overlap (seed 0; A - B +2 points, detectable 11, the paper's " \
+           "+28.8)." in unpaired
+    assert "would usually have been detected" not in unpaired
+    # a seed-only domain's games are played in the experience model: its row is there, under its simulated label
+    simulated = {method: {f"{tw} (simulated)": rates[tw]} for method, rates in metrics.items()}
+    reading = claims_reading(comparisons(simulated, ("grpo",)), simulated, untested_reasons(statuses), ("grpo",), [tw])
+    assert f"Synthetic-only RL improves on the warm start, {tw} (simulated)" in reading
+    assert f"Synthetic-only RL improves on the warm start, {tw}," not in reading  # not listed again as untested
+    # PPO's comparisons: our copy of the paper's figures is GRPO's
+    ppo = {"SFT only": metrics["SFT only"], "DreamGym (PPO)": metrics["DreamGym (GRPO)"]}
+    assert "the paper's" not in claims_reading(comparisons(ppo, ("grpo", "ppo")), ppo, {}, ("grpo", "ppo")).split(
+        "DreamGym (PPO) against SFT only")[1].split("\n")[0]
 
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):
     """A kept games file's rows for one policy: it won the games numbered in `won`, of games g0..g<played-1>."""

@@ -107,7 +107,7 @@ SECONDS_FILE = "training_seconds.txt"  # in each checkpoint: the training time u
 
 @dataclass(frozen=True)
 class Emphasis:
-    """Target words whose first token weighs `weight` times the others in the loss. Why: a decision one token carries
+    """Target words whose token weighs `weight` times the others in the loss. Why: a decision one token carries
     (the experience model's verdict on a command) is a few hundredths of a loss averaged over the hundreds of
     next-state tokens around it."""
 
@@ -132,8 +132,9 @@ class Emphasis:
 def weighted_trainer(token_ids: list[int], weight: float) -> Any:
     """An SFTTrainer class whose loss weighs the target tokens in `token_ids` `weight` times the others: TRL's own
     per-token log-probabilities (its fused LM head, no full logits), summed with the weights and divided by the
-    batch's target tokens, as TRL divides its loss. At weight 1 it is TRL's loss. It logs no entropy or token
-    accuracy (TRL's compute_loss does)."""
+    batch's target tokens, as TRL divides its loss (so the weights also raise the gradient's scale a little). At
+    weight 1 it is TRL's loss; the logged loss is the weighted one. It logs no entropy, token accuracy or token count
+    (TRL's compute_loss does)."""
     import torch
     from trl import SFTTrainer
 
@@ -141,7 +142,8 @@ def weighted_trainer(token_ids: list[int], weight: float) -> Any:
         def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
             outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
-            target = inputs["labels"][:, 1:].to(outputs.log_probs.device)  # log_probs[:, t] scores token t + 1
+            # log_probs[:, t] scores token t + 1, or shift_labels[:, t] where a context-parallel run passes them
+            target = inputs.get("shift_labels", inputs["labels"][:, 1:]).to(outputs.log_probs.device)
             emphasized = torch.isin(target, torch.tensor(token_ids, device=target.device))
             tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
             loss = (-outputs.log_probs * torch.where(emphasized, weight, 1.0)).sum() / torch.as_tensor(

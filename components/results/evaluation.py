@@ -26,6 +26,7 @@ from components.envs.episode import run_episode
 from components.envs.registry import RealEnvironment, has_adapter, real_environment
 from components.reports import markdown_table
 
+SIMULATED = " (simulated)"  # after an environment's name: its held-out games played in the experience model
 PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
 ENV_FAILURES_COLUMN = "environment failures (excluded)"  # the reports' column for `env_failures`
 ENV_FAILURES_NOTE = ("Episodes an environment failure ended (a hung or crashed engine or browser: not the policy's "

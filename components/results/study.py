@@ -37,7 +37,7 @@ from components.reports import (
     write_csv,
     write_stage_outputs,
 )
-from components.results.evaluation import wilson_interval
+from components.results.evaluation import SIMULATED, wilson_interval
 
 
 @dataclass(frozen=True)
@@ -550,7 +550,7 @@ class Claim:
     method_a: str
     method_b: str
     kind: str
-    paper_gap: float | None = None  # the paper's A - B on WebShop in points (../shared/DESIGN.md); None: not its
+    paper_gap: float | None = None  # the paper's A - B with GRPO on WebShop, in points (DESIGN.md); None: ours
 
 
 CLAIMS = (
@@ -571,7 +571,7 @@ CLAIMS = (
           "DreamGym-S2R (GRPO)", "better"),
 )
 # The paper's three claims, its WebShop figures (success %, Llama-3.1-8B policy and experience model), and the
-# comparisons above that test each one at our scale (indices into CLAIMS).
+# comparisons above that test each one at our scale (indices into CLAIMS; those without a paper_gap are our controls).
 PAPER_CLAIMS = (
     ("DreamGym's synthetic-only RL matches RL in the real environment",
      "DreamGym 63.9% with no real transition beyond the seed, GRPO in the real environment 65.0% on 80K real "
@@ -589,6 +589,7 @@ class Comparison:
     """One claim tested on one environment (and algorithm, for a claim of every algorithm): its two rows' pooled
     results (`aggregate`), their paired games when both kept them, and the verdict."""
     claim: Claim
+    algorithm: str  # the RL algorithm of its methods
     text: str  # the claim's text, with its share filled in
     environment: str
     method_a: str
@@ -605,16 +606,21 @@ class Comparison:
         """supported, contradicted, not resolved, not contradicted, not tested or not testable."""
         return self.verdict.partition(":")[0]
 
+    @property
+    def paper_gap(self) -> float | None:
+        """The paper's A - B in points where our copy of its figures has it: its GRPO rows."""
+        return self.claim.paper_gap if self.algorithm == "grpo" else None
 
-def claim_pairs(algorithm_names: tuple[str, ...]) -> list[tuple[Claim, str, str]]:
-    """(claim, method A, method B) for every comparison the study makes: a claim of every algorithm once per
-    algorithm, the GRPO ablations once."""
-    found: dict[tuple[str, str], Claim] = {}
+
+def claim_pairs(algorithm_names: tuple[str, ...]) -> list[tuple[Claim, str, str, str]]:
+    """(claim, method A, method B, algorithm) for every comparison the study makes: a claim of every algorithm once
+    per algorithm, the GRPO ablations once."""
+    found: dict[tuple[str, str], tuple[Claim, str]] = {}
     for algorithm in algorithm_names:
         for claim in CLAIMS:
             found.setdefault((claim.method_a.format(A=algorithm.upper()), claim.method_b.format(A=algorithm.upper())),
-                             claim)
-    return [(claim, a, b) for (a, b), claim in found.items()]
+                             (claim, algorithm if "{A}" in claim.method_a else "grpo"))
+    return [(claim, a, b, algorithm) for (a, b), (claim, algorithm) in found.items()]
 
 
 def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
@@ -630,18 +636,18 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
     """
     games = games or {}
     found = []
-    for claim, a, b in claim_pairs(algorithm_names):
+    for claim, a, b, algorithm in claim_pairs(algorithm_names):
         for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
             ra, rb = metrics[a][environment], metrics[b][environment]
             pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
-            found.append(Comparison(claim, claim.text.format(share=_share(ra, rb)), environment, a, b, ra, rb, pairs,
-                                    _verdict(ra, rb, claim.kind, pairs, confidence),
+            found.append(Comparison(claim, algorithm, claim.text.format(share=_share(ra, rb)), environment, a, b, ra,
+                                    rb, pairs, _verdict(ra, rb, claim.kind, pairs, confidence),
                                     *_difference(ra, rb, pairs, confidence)))
         if claim.kind == "better with generated tasks":  # the answer is known without the ablation's run
             for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
                 ra = metrics[a][environment]
                 if not ra.get("generated_tasks_mean"):
-                    found.append(Comparison(claim, claim.text, environment, a, b, ra, None, None,
+                    found.append(Comparison(claim, algorithm, claim.text, environment, a, b, ra, None, None,
                                             "not tested: the curriculum accepted no generated task, so B would play "
                                             "A's tasks"))
     return found
@@ -658,7 +664,7 @@ def claims_table(found: list[Comparison]) -> str:
     rows = [[c.text, c.environment, f"{c.method_a}: {c.a['successes']}/{c.a['episodes']}",
              f"{c.method_b}: " + (f"{c.b['successes']}/{c.b['episodes']}" if c.b else "not run"),
              "" if c.observed is None else f"{c.observed:+.0%}",
-             "" if c.detectable is None else f"{c.detectable:.0%}", _paper_gap(c.claim), c.verdict]
+             "" if c.detectable is None else f"{c.detectable:.0%}", _paper_gap(c), c.verdict]
             for c in found]
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
@@ -666,8 +672,10 @@ def claims_table(found: list[Comparison]) -> str:
                            "verdict"], rows)
 
 
-def _paper_gap(claim: Claim) -> str:
-    return "not the paper's" if claim.paper_gap is None else f"{claim.paper_gap:+.1f} points"
+def _paper_gap(comparison: Comparison) -> str:
+    if comparison.claim.paper_gap is None:
+        return "not the paper's"
+    return "-" if comparison.paper_gap is None else f"{comparison.paper_gap:+.1f} points"
 
 
 def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: dict[tuple[str, str], str],
@@ -678,31 +686,36 @@ def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: d
     comparisons say together (where sim-to-real's gain comes from). `environments`: the study's, beside those with
     results."""
     made = {(c.method_a, c.method_b, c.environment): c for c in found}
-    environments = sorted(set(environments or []) | {c.environment for c in found})
+    simulated = {c.environment for c in found if c.environment.endswith(SIMULATED)}  # a seed-only domain's label
+    environments = sorted(set(environments or []) - {e.removesuffix(SIMULATED) for e in simulated}
+                          | {c.environment for c in found})
     sections = []
     for number, (title, paper, indices) in enumerate(PAPER_CLAIMS, 1):
-        tested, not_tested, outcomes = [], [], []
-        for claim, a, b in claim_pairs(algorithm_names):
+        tested, not_tested, outcomes = [], [], {"the paper's": [], "our controls'": []}
+        for claim, a, b, _ in claim_pairs(algorithm_names):
             if CLAIMS.index(claim) not in indices:
                 continue
             for environment in environments:
                 comparison = made.get((a, b, environment))
-                if comparison is not None and comparison.b is not None:
-                    tested.append(f"- {comparison.text}, {environment}, {a} against {b}: {_reading(comparison)}")
+                label = f"{claim.text.format(share='a share') if comparison is None else comparison.text}" + (
+                    " (our control)" if claim.paper_gap is None else "")
+                if comparison is not None and comparison.outcome != "not tested":
+                    tested.append(f"- {label}, {environment}, {a} against {b}: {_reading(comparison)}")
                 else:
+                    planned = environment.removesuffix(SIMULATED)
                     why = [comparison.verdict.partition(": ")[2]] if comparison else list(dict.fromkeys(
-                        untested.get((method, environment), f"{method} has no finished run")
+                        untested.get((method, planned), f"{method} has no finished run")
                         for method in (a, b) if environment not in metrics.get(method, {})))
-                    not_tested.append(f"- {claim.text.format(share='a share')}, {environment}, {a} against {b}: "
-                                      f"{'; '.join(why)}.")
-                outcomes.append(comparison.outcome if comparison else "not tested")
-        counts = ", ".join(f"{outcomes.count(outcome)} {outcome}" for outcome in (
-            "supported", "not contradicted", "not resolved", "contradicted", "not testable", "not tested")
-                           if outcome in outcomes)
+                    not_tested.append(f"- {label}, {environment}, {a} against {b}: {'; '.join(why)}.")
+                outcomes["the paper's" if claim.paper_gap is not None else "our controls'"].append(
+                    comparison.outcome if comparison else "not tested")
+        counts = "; ".join(f"of {whose} {len(found_)} comparisons, " + ", ".join(
+            f"{found_.count(outcome)} {outcome}" for outcome in (
+                "supported", "not contradicted", "not resolved", "contradicted", "not testable", "not tested")
+            if outcome in found_) for whose, found_ in outcomes.items() if found_)
         together = _attribution(made, environments, algorithm_names) if {2, 3} <= set(indices) else ""
-        parts = [f"### {number}. {title}", f"The paper (WebShop): {paper}.",
-                 f"Here, of {len(outcomes)} comparisons: {counts or 'none'}.", "\n".join(tested), together,
-                 "Not tested:\n\n" + "\n".join(not_tested) if not_tested else ""]
+        parts = [f"### {number}. {title}", f"The paper (WebShop, GRPO): {paper}.", f"Here, {counts or 'none'}.",
+                 "\n".join(tested), together, "Not tested:\n\n" + "\n".join(not_tested) if not_tested else ""]
         sections.append("\n\n".join(part for part in parts if part) + "\n")
     return "\n".join(sections)
 
@@ -710,19 +723,19 @@ def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: d
 def _reading(comparison: Comparison) -> str:
     """A comparison's verdict, in the reading's words: bold outcome, evidence, the gaps, and what a null means."""
     c = comparison
-    if c.observed is None or c.detectable is None:
+    if c.observed is None or c.detectable is None or c.b is None:
         return f"**{c.outcome}**{c.verdict[len(c.outcome):]}."
-    paper = c.claim.paper_gap
+    paper = c.paper_gap
     seeds = sorted(set(c.a.get("seeds", [])) | set(c.b.get("seeds", [])))
     gaps = f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; " * bool(seeds) + (
-        f"A - B {c.observed:+.0%}, detectable {c.detectable:.0%}") + (
-        f", the paper's {paper:+.1f} points" if paper is not None else "")
-    meaning = ""
-    if c.outcome == "not resolved" and paper is not None:
+        f"A - B {100 * c.observed:+.0f} points, detectable {100 * c.detectable:.0f}") + (
+        f", the paper's {paper:+.1f}" if paper is not None else "")
+    meaning = ""  # from the paired test's power only: unpaired, intervals apart is a stricter test than it assumes
+    if c.pairs is not None and c.outcome == "not resolved" and paper is not None:
         meaning = (" A gap the size of the paper's would usually have been detected here."
                    if paper / 100 >= c.detectable else " The paper's gap is smaller than this comparison detects.")
-    elif c.outcome == "not contradicted":
-        meaning = f" A shortfall of {c.detectable:.0%} or more would usually have been detected here."
+    elif c.pairs is not None and c.outcome == "not contradicted":
+        meaning = f" A shortfall of {100 * c.detectable:.0f} points or more would usually have been detected here."
     return f"**{c.outcome}**{c.verdict[len(c.outcome):]} ({gaps}).{meaning}"
 
 
@@ -732,22 +745,21 @@ def _attribution(made: dict[tuple[str, str, str], Comparison], environments: lis
     transitions (CLAIMS[3]) tells whether synthetic RL first adds anything, or the few real transitions alone did."""
     said = []
     for algorithm in algorithm_names:
-        upper = algorithm.upper()
-        s2r, full, control = (f"DreamGym-S2R ({upper})", f"{upper} in the real environment",
-                              f"{upper} in the real environment at S2R's budget")
+        s2r, full, control = (method.format(A=algorithm.upper()) for method in (
+            CLAIMS[2].method_a, CLAIMS[2].method_b, CLAIMS[3].method_b))
         for environment in environments:
             lead, same = made.get((s2r, full, environment)), made.get((s2r, control, environment))
             if lead is None or lead.outcome != "supported":
                 continue
-            where = f"On {environment} ({upper}), DreamGym-S2R's lead over real-only RL"
+            where = f"On {environment} ({algorithm.upper()}), DreamGym-S2R's lead over real-only RL"
             if same is None or same.b is None:
                 said.append(f"{where} is not yet traced to synthetic RL: real-only RL on S2R's budget has no run.")
             elif same.outcome == "supported":
-                said.append(f"{where} holds against real-only RL on the same real transitions too: synthetic RL "
-                            "first adds to what those transitions buy.")
+                said.append(f"{where} holds against real-only RL at S2R's budget too: synthetic RL first adds to "
+                            "what those real transitions buy.")
             else:
-                said.append(f"{where} is not shown to come from synthetic RL: real-only RL on the same real "
-                            f"transitions alone won {same.b['successes']}/{same.b['episodes']} against S2R's "
+                said.append(f"{where} is not shown to come from synthetic RL: real-only RL at S2R's budget won "
+                            f"{same.b['successes']}/{same.b['episodes']} against S2R's "
                             f"{same.a['successes']}/{same.a['episodes']} ({same.outcome}).")
     return " ".join(said)
 
@@ -830,6 +842,7 @@ class RowStatus:
     minutes: str  # finished: its wall time; else its estimate, or "not measured yet"
     command: str  # what runs it, for a row not run
     estimate: float | None = None  # minutes, for a row to run whose variant has finished runs on its environment
+    costed_by: str | None = None  # the look-alike variant whose runs give the estimate (Variant.costs_like)
 
     @property
     def to_run(self) -> bool:
@@ -862,16 +875,17 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             found.append(RowStatus(row, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}",
                                    "", ""))
         else:
-            measured = minutes.get(row.name.rpartition("-seed")[0])
+            measured, like = minutes.get(row.name.rpartition("-seed")[0]), row.variant.costs_like
             cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
-            like = row.variant.costs_like
             if not measured and like and (measured := minutes.get(f"{row.environment}/{like}")):
                 cost = f"about {_mean(measured):.0f} (as {like}, mean of {len(measured)})"
+            else:
+                like = None
             if reason := uninformative(row, runs):
                 found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"))
             else:
                 found.append(RowStatus(row, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`",
-                                       _mean(measured) if measured else None))
+                                       _mean(measured) if measured else None, like))
     return found
 
 
@@ -910,7 +924,8 @@ def untested_reasons(statuses: list[RowStatus]) -> dict[tuple[str, str], str]:
             continue
         first = found[0]
         more = f" (and {len(found) - 1} more seed{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""
-        cost = f", about {first.estimate:.0f} min each" if first.to_run and first.estimate is not None else (
+        cost = f", about {first.estimate:.0f} min each" + (f" (as {first.costed_by})" if first.costed_by else "") \
+            if first.to_run and first.estimate is not None else (
             ", its cost not measured yet" if first.to_run else "")
         reasons[key] = f"`{first.row.name}`{more}: {first.status}{cost}"
     return reasons
@@ -1007,7 +1022,7 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
             f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours_text}, profile "
             f"{', '.join(sorted(set(profiles.values()))) or '-'}). An environment "
-            f"marked (simulated) is a seed-only domain: its held-out games are played inside the experience model."
+            f"marked{SIMULATED} is a seed-only domain: its held-out games are played inside the experience model."
             f"\n\n{table}"
             + (f"\n![held-out success]({bars.name})\n" if bars else "")
             + f"\n## The paper's claims at this scale\n\n{CLAIMS_NOTE.format(alpha=1 - confidence)}\n\n"
@@ -1060,9 +1075,10 @@ CLAIMS_NOTE = ("Both methods of a claim play the same held-out games, greedily. 
 
 READING_NOTE = ("Each of the paper's three claims, from the comparisons above that test it, beside the gap the paper "
                 "reports on WebShop (its scale: an 8B policy and experience model, 80K real transitions) and the gap "
-                "each comparison could detect; and the comparisons not made, with why. Where a comparison is not "
-                "resolved, a paper's gap larger than the detectable one weighs against the claim at our scale; a "
-                "smaller one leaves it open.")
+                "each comparison could detect (in points; our copy of the paper's figures is its GRPO rows); and the "
+                "comparisons not made, with why. Where a paired comparison is not resolved, a paper's gap larger than "
+                "the detectable one weighs against the claim at our scale; a smaller one leaves it open. \"Our "
+                "control\" marks a comparison the paper does not make.")
 
 
 def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
