@@ -4,6 +4,7 @@
     python research/refusal_probes.py score PROBES.jsonl [--set KEY=VALUE]...       # this checkout's model
     python research/refusal_probes.py score PROBES.jsonl --controls                 # false refusals
     python research/refusal_probes.py explain PROBES.jsonl                          # what the state shows
+    python research/refusal_probes.py recount SCORED.txt...                         # by command, from score's output
 
 `build` replays synthetic RL's episodes (`{"trajectory": ...}` lines, as models/policy/rl/checkpoints/episodes.jsonl
 and research/audit_synthetic_episodes.py read them) action by action in the real games of their training tasks and
@@ -14,7 +15,10 @@ same first line of the observation, or at least a refusal (a line the game answe
 replays, with no reward and the episode going on), and how many it rewards, ends or falls back on; each row keeps
 the model's reasoning, and `fact_stated` says whether it holds the step's `annotation.grounding_sentence` (where the
 state mentions the command's object: what a model trained with `annotate.ground_objects` writes first), and
-`sections_right` whether it names the same object and sections, in any order. Cost: the real
+`sections_right` whether it names the same object and sections, in any order. Many probes repeat one command in one
+game (94 probes, 15 commands), so the summary counts commands too: how many the model refuses at least once, and how
+many it answers both ways (`commands_split`: refusing some probes of a command and not others, the only sign that it
+reads the state rather than the command; `recount` gives these for a kept `score` output). Cost: the real
 game's steps (seconds) to build; one experience-model call per probe to score (94 in 8.6 min on one llama.cpp
 thread, 5.7 min on two).
 
@@ -104,10 +108,29 @@ def score(probes: str, overrides: dict, controls: bool = False) -> dict:
                "take_from": sum(row["action"].startswith("take ") and " from " in row["action"] for row in rows),
                "take_from_same_reply": sum(row["same_reply"] for row in rows
                                            if row["action"].startswith("take ") and " from " in row["action"])}
+    summary |= by_command(rows)
     for row in rows:
         print(json.dumps(row))
     print(json.dumps(summary))
     return summary
+
+
+def by_command(rows: list[dict]) -> dict:
+    """The probes grouped by command: how many commands, how many refused at least once, answered both ways."""
+    answers: dict[str, set[bool]] = {}
+    for row in rows:
+        answers.setdefault(row["action"], set()).add(row["refused"])
+    return {"commands": len(answers), "commands_refused": sum(True in seen for seen in answers.values()),
+            "commands_split": sum(len(seen) == 2 for seen in answers.values())}
+
+
+def recount(scored: str) -> dict:
+    """`by_command` of a kept `score` output (its rows are JSON lines with an action)."""
+    rows = [json.loads(line) for line in Path(scored).read_text(encoding="utf-8").splitlines()
+            if line.startswith("{") and '"action"' in line]
+    counts = {"file": scored, "steps": len(rows), "refused": sum(row["refused"] for row in rows), **by_command(rows)}
+    print(json.dumps(counts))
+    return counts
 
 
 def mentioned(trace: str | None) -> tuple[str, frozenset[str]] | None:
@@ -142,7 +165,7 @@ def explain(probes: str) -> Counter:
 
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("action", choices=["build", "score", "explain"])
+parser.add_argument("action", choices=["build", "score", "explain", "recount"])
 parser.add_argument("files", nargs="+")
 parser.add_argument("--out", default="probes.jsonl")
 parser.add_argument("--controls", action="store_true", help="score the accepted step before each probe")
@@ -152,5 +175,8 @@ if args.action == "build":
     build(args.files, args.out)
 elif args.action == "explain":
     explain(args.files[0])
+elif args.action == "recount":
+    for scored in args.files:
+        recount(scored)
 else:
     score(args.files[0], set_overrides(args.set), args.controls)
