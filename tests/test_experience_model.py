@@ -713,7 +713,7 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
 
 
 def test_the_verdict_token_weighs_more_in_the_loss_and_a_changed_weight_starts_training_over(tiny: Path,
-                                                                                            tmp_path: Path):
+                                                                                            tmp_path: Path, caplog):
     """weighted_trainer's loss at weight 1 is TRL's own; at weight w a verdict token of the target counts w times.
     Training with it runs, and a run with another weight is another recipe: it does not resume the first."""
     import torch
@@ -750,9 +750,12 @@ def test_the_verdict_token_weighs_more_in_the_loss_and_a_changed_weight_starts_t
     settings = settings_from_params("training", epochs=1.0, max_steps=1, learning_rate=2e-4, batch_size=1,
                                     gradient_accumulation_steps=1, max_seq_len=1536, precision="fp32", save_steps=1,
                                     lora=settings_from_params("lora", r=4, alpha=8, top_layers=1))
-    trained = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,
-                        emphasis=Emphasis(VERDICT_WORDS[:1], 20.0))
+    with caplog.at_level("INFO", logger="components.llm.sft"):
+        trained = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,
+                            emphasis=Emphasis(VERDICT_WORDS[:1], 20.0))
     assert trained.global_step == 1 and trained.final_loss is not None
+    counted = int(emphasized.sum())  # the batch above is the whole dataset: every verdict, once
+    assert f"{counted} target tokens of 3 examples are accepted, weighing 20 times the others" in caplog.text
     assert train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path).resumed_from is None
     # weight 1 is plain SFT, the recipe of no emphasis: it resumes the plain run
     assert train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path,

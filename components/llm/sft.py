@@ -234,7 +234,8 @@ def train_sft(
         disable_tqdm=True,  # _progress_log writes step, loss and ETA as log lines (readable in DVC and Prefect logs)
     )
     peft_config = lora_config(model, settings.lora) if settings.lora is not None else None
-    trainer_class = weighted_trainer(emphasis.token_ids(tokenizer), emphasis.weight) if emphasis else SFTTrainer
+    emphasized = emphasis.token_ids(tokenizer) if emphasis else []
+    trainer_class = weighted_trainer(emphasized, emphasis.weight) if emphasis else SFTTrainer
     trainer = trainer_class(
         model=model,
         args=args,
@@ -244,6 +245,11 @@ def train_sft(
         callbacks=[progress := _progress_log(_seconds_until(resume))],
     )
 
+    if emphasis:  # say what the weight falls on: teacher-written traces may not use the words at all
+        found = sum(token in set(emphasized) for row in trainer.train_dataset for token in row["labels"])
+        (log.info if found else log.warning)("%d target tokens of %d examples are %s, weighing %g times the others%s",
+                                             found, len(trainer.train_dataset), "/".join(emphasis.words),
+                                             emphasis.weight, "" if found else ": the weight changes nothing")
     if resume:
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
