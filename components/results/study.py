@@ -697,7 +697,7 @@ def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: d
                 continue
             for environment in environments:
                 comparison = made.get((a, b, environment))
-                label = f"{claim.text.format(share='a share') if comparison is None else comparison.text}" + (
+                label = (comparison.text if comparison else claim.text.format(share="a share")) + (
                     " (our control)" if claim.paper_gap is None else "")
                 if comparison is not None and comparison.outcome != "not tested":
                     tested.append(f"- {label}, {environment}, {a} against {b}: {_reading(comparison)}")
