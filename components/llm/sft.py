@@ -246,7 +246,8 @@ def train_sft(
     )
 
     if emphasis:  # say what the weight falls on: teacher-written traces may not use the words at all
-        found = sum(token in set(emphasized) for row in trainer.train_dataset for token in row["labels"])
+        wanted = set(emphasized)
+        found = sum(token in wanted for row in trainer.train_dataset for token in row["labels"])
         (log.info if found else log.warning)("%d target tokens of %d examples are %s, weighing %g times the others%s",
                                              found, len(trainer.train_dataset), "/".join(emphasis.words),
                                              emphasis.weight, "" if found else ": the weight changes nothing")

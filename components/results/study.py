@@ -752,7 +752,7 @@ def _attribution(made: dict[tuple[str, str, str], Comparison], environments: lis
             if lead is None or lead.outcome != "supported":
                 continue
             where = f"On {environment} ({algorithm.upper()}), DreamGym-S2R's lead over real-only RL"
-            if same is None or same.b is None:
+            if same is None:  # CLAIMS[3] is made only where both rows have results
                 said.append(f"{where} is not yet traced to synthetic RL: real-only RL on S2R's budget has no run.")
             elif same.outcome == "supported":
                 said.append(f"{where} holds against real-only RL at S2R's budget too: synthetic RL first adds to "
