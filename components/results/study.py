@@ -553,34 +553,36 @@ class Claim:
     paper_gap: float | None = None  # the paper's A - B with GRPO on WebShop, in points (DESIGN.md); None: ours
 
 
-CLAIMS = (
-    Claim("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better", 63.9 - 35.1),
-    Claim("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})", "{A} in the real environment",
-          "not worse", 63.9 - 65.0),
-    Claim("Sim-to-real on {share} of the real transitions beats real-only RL on all of them", "DreamGym-S2R ({A})",
-          "{A} in the real environment", "better", 75.0 - 65.0),
-    Claim("Synthetic RL first beats real-only RL on the same real transitions", "DreamGym-S2R ({A})",
-          "{A} in the real environment at S2R's budget", "better"),
-    Claim("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum", "better with generated tasks",
-          63.9 - 57.3),
-    Claim("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval", "better",
-          63.9 - 59.2),
-    Claim("Reasoning before predicting helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o reasoning", "better",
-          63.9 - 55.8),
-    Claim("On-policy correction helps sim-to-real at the same real budget", "DreamGym-S2R (GRPO) + correction",
-          "DreamGym-S2R (GRPO)", "better"),
-)
+WARM_START = Claim("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better",
+                   63.9 - 35.1)
+MATCHES_REAL = Claim("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})",
+                     "{A} in the real environment", "not worse", 63.9 - 65.0)
+S2R_BEATS_REAL = Claim("Sim-to-real on {share} of the real transitions beats real-only RL on all of them",
+                       "DreamGym-S2R ({A})", "{A} in the real environment", "better", 75.0 - 65.0)
+S2R_BEATS_SAME_BUDGET = Claim("Synthetic RL first beats real-only RL on the same real transitions",
+                              "DreamGym-S2R ({A})", "{A} in the real environment at S2R's budget", "better")
+CURRICULUM_HELPS = Claim("The curriculum helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum",
+                         "better with generated tasks", 63.9 - 57.3)
+RETRIEVAL_HELPS = Claim("Retrieval of similar transitions helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o retrieval",
+                        "better", 63.9 - 59.2)
+REASONING_HELPS = Claim("Reasoning before predicting helps", "DreamGym (GRPO)", "DreamGym (GRPO) w/o reasoning",
+                        "better", 63.9 - 55.8)
+CORRECTION_HELPS = Claim("On-policy correction helps sim-to-real at the same real budget",
+                         "DreamGym-S2R (GRPO) + correction", "DreamGym-S2R (GRPO)", "better")
+CLAIMS = (WARM_START, MATCHES_REAL, S2R_BEATS_REAL, S2R_BEATS_SAME_BUDGET, CURRICULUM_HELPS, RETRIEVAL_HELPS,
+          REASONING_HELPS, CORRECTION_HELPS)
 # The paper's three claims, its WebShop figures (success %, Llama-3.1-8B policy and experience model), and the
-# comparisons above that test each one at our scale (indices into CLAIMS; those without a paper_gap are our controls).
+# comparisons above that test each one at our scale (those without a paper_gap are our controls).
 PAPER_CLAIMS = (
     ("DreamGym's synthetic-only RL matches RL in the real environment",
      "DreamGym 63.9% with no real transition beyond the seed, GRPO in the real environment 65.0% on 80K real "
-     "transitions, both from the SFT warm start's 35.1%", (0, 1)),
+     "transitions, both from the SFT warm start's 35.1%", (WARM_START, MATCHES_REAL)),
     ("DreamGym-S2R beats real-only RL on a small share of its real transitions",
-     "DreamGym-S2R 75.0% on 5K real transitions against 65.0% on 80K", (2, 3, 7)),
+     "DreamGym-S2R 75.0% on 5K real transitions against 65.0% on 80K",
+     (S2R_BEATS_REAL, S2R_BEATS_SAME_BUDGET, CORRECTION_HELPS)),
     ("The curriculum, retrieval and reasoning each help",
      "DreamGym 63.9% against 57.3% without the curriculum, 59.2% without retrieval and 55.8% without reasoning",
-     (4, 5, 6)),
+     (CURRICULUM_HELPS, RETRIEVAL_HELPS, REASONING_HELPS)),
 )
 
 
@@ -690,10 +692,10 @@ def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: d
     environments = sorted(set(environments or []) - {e.removesuffix(SIMULATED) for e in simulated}
                           | {c.environment for c in found})
     sections = []
-    for number, (title, paper, indices) in enumerate(PAPER_CLAIMS, 1):
+    for number, (title, paper, its_claims) in enumerate(PAPER_CLAIMS, 1):
         tested, not_tested, outcomes = [], [], {"the paper's": [], "our controls'": []}
         for claim, a, b, _ in claim_pairs(algorithm_names):
-            if CLAIMS.index(claim) not in indices:
+            if claim not in its_claims:
                 continue
             for environment in environments:
                 comparison = made.get((a, b, environment))
@@ -713,7 +715,8 @@ def claims_reading(found: list[Comparison], metrics: dict[str, Any], untested: d
             f"{found_.count(outcome)} {outcome}" for outcome in (
                 "supported", "not contradicted", "not resolved", "contradicted", "not testable", "not tested")
             if outcome in found_) for whose, found_ in outcomes.items() if found_)
-        together = _attribution(made, environments, algorithm_names) if {2, 3} <= set(indices) else ""
+        traced = {S2R_BEATS_REAL, S2R_BEATS_SAME_BUDGET} <= set(its_claims)
+        together = _attribution(made, environments, algorithm_names) if traced else ""
         parts = [f"### {number}. {title}", f"The paper (WebShop, GRPO): {paper}.", f"Here, {counts or 'none'}.",
                  "\n".join(tested), together, "Not tested:\n\n" + "\n".join(not_tested) if not_tested else ""]
         sections.append("\n\n".join(part for part in parts if part) + "\n")
@@ -742,17 +745,18 @@ def _reading(comparison: Comparison) -> str:
 def _attribution(made: dict[tuple[str, str, str], Comparison], environments: list[str],
                  algorithm_names: tuple[str, ...]) -> str:
     """Where DreamGym-S2R's lead over real-only RL comes from, where it has one: real-only RL on the same real
-    transitions (CLAIMS[3]) tells whether synthetic RL first adds anything, or the few real transitions alone did."""
+    transitions (S2R_BEATS_SAME_BUDGET) tells whether synthetic RL first adds anything, or the few real transitions
+    alone did."""
     said = []
     for algorithm in algorithm_names:
         s2r, full, control = (method.format(A=algorithm.upper()) for method in (
-            CLAIMS[2].method_a, CLAIMS[2].method_b, CLAIMS[3].method_b))
+            S2R_BEATS_REAL.method_a, S2R_BEATS_REAL.method_b, S2R_BEATS_SAME_BUDGET.method_b))
         for environment in environments:
             lead, same = made.get((s2r, full, environment)), made.get((s2r, control, environment))
             if lead is None or lead.outcome != "supported":
                 continue
             where = f"On {environment} ({algorithm.upper()}), DreamGym-S2R's lead over real-only RL"
-            if same is None:  # CLAIMS[3] is made only where both rows have results
+            if same is None:  # made only where both rows have results
                 said.append(f"{where} is not yet traced to synthetic RL: real-only RL on S2R's budget has no run.")
             elif same.outcome == "supported":
                 said.append(f"{where} holds against real-only RL at S2R's budget too: synthetic RL first adds to "
@@ -843,6 +847,7 @@ class RowStatus:
     command: str  # what runs it, for a row not run
     estimate: float | None = None  # minutes, for a row to run whose variant has finished runs on its environment
     costed_by: str | None = None  # the look-alike variant whose runs give the estimate (Variant.costs_like)
+    uninformative: bool = False  # not run: the finished runs show it would tell nothing (`uninformative`)
 
     @property
     def to_run(self) -> bool:
@@ -882,7 +887,8 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             else:
                 like = None
             if reason := uninformative(row, runs):
-                found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway"))
+                found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway",
+                                       uninformative=True))
             else:
                 found.append(RowStatus(row, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`",
                                        _mean(measured) if measured else None, like))
@@ -894,7 +900,7 @@ def plan_table(statuses: list[RowStatus]) -> str:
     to_run = [s for s in statuses if s.to_run]
     left = sum(s.estimate or 0.0 for s in to_run)
     unmeasured = sum(s.estimate is None for s in to_run)
-    idle = sum(s.status.startswith("not informative") for s in statuses)
+    idle = sum(s.uninformative for s in statuses)
     finished = sum(s.status == "finished" for s in statuses)
     total = (f"{finished} of {len(statuses)} planned runs finished; {len(to_run)} to run"
              + (f", about {left / 60:.1f} h by the finished runs of their variants or, where "
