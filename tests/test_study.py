@@ -161,9 +161,9 @@ def test_the_report_lists_every_planned_row_finished_or_with_its_cost_and_comman
            "to B = 336 real transitions, DreamGym-S2R and its correction row up to 33 (10% of B); each policy plays " \
            "200 held-out games per environment." in text
 
-    assert "1 of 12 planned runs finished; 6 to run, about 1.5 h by the finished runs of their variants or, where " \
-           "named, of a variant they cost like (5 not estimated: no finished run on their environment to cost them " \
-           "by)" in text
+    assert "1 of 12 planned runs finished; 6 to run (5 not estimated: no finished run on their environment to cost " \
+           "them by), about 1.5 h by the finished runs of their variants or, where named, of a variant they cost " \
+           "like. A run's wall time" in text
     assert f"| {tw}/dreamgym-grpo-seed0 | finished | 90 |  |" in text
     assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 90 (mean of 1) | `dreamgym study run " \
            f"{tw}/dreamgym-grpo-seed1` |" in text
@@ -231,6 +231,14 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
         other = plan(_cpu_study(seeds=[0], variants=["no-curriculum"], environments=[environment]), 28)
         assert f"| {environment}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), other,
                                                                                  "cpu")[1]
+    # rows of one environment and seed share the experience model and warm start (70 of each row's 140 minutes):
+    # in one workspace DVC trains them once per seed, 3 x 140 - 3 x 70 + 2 x 70 = 350 minutes for these three rows
+    (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": {"accepted": 1}}))
+    together = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "no-retrieval"], environments=[tw]), 28)
+    assert "1 of 4 planned runs finished; 3 to run, about 7.0 h by the finished runs of their variants or, where " \
+           "named, of a variant they cost like, or about 5.8 h run in one workspace per environment and seed, " \
+           "where DVC's run cache trains the experience model and warm start once for all its rows." in report(
+               results, 0.95, ("grpo",), together, "cpu")[1]
 
 
 def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_shows_its_false_wins(tmp_path):

@@ -373,13 +373,20 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
         its stages depend on, see `stage_not_needed`). None for a run kept without the upstream stages' metrics
         (UPSTREAM_FILES), and for a correction run, which keeps its last round's stages but not those of the pipeline
         its rounds start from."""
-        upstream = [kept.get("seconds") for kept in self.upstream]
-        if None in upstream or self.correction:
+        shared = self.shared_seconds
+        if shared is None:
             return None
-        return sum(upstream) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
+        return shared + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
             + self.simulator.get("seconds", 0.0) + sum(
             entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
             for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)
+
+    @property
+    def shared_seconds(self) -> float | None:
+        """The time of the stages every row of its environment and seed shares (UPSTREAM_FILES: the experience model
+        and the warm start), which DVC's run cache trains once in one workspace; None where not kept."""
+        upstream = [kept.get("seconds") for kept in self.upstream]
+        return None if None in upstream or self.correction else sum(upstream)
 
     @property
     def cost_seconds(self) -> float | None:
@@ -848,6 +855,7 @@ class RowStatus:
     estimate: float | None = None  # minutes, for a row to run whose variant has finished runs on its environment
     costed_by: str | None = None  # the look-alike variant whose runs give the estimate (Variant.costs_like)
     uninformative: bool = False  # not run: the finished runs show it would tell nothing (`uninformative`)
+    shared: float | None = None  # minutes of the estimate in stages its environment and seed's rows share
 
     @property
     def to_run(self) -> bool:
@@ -868,9 +876,12 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             except ParamsError as error:
                 status[row.name] = f"kept with other params: {error}"
     minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> minutes of its finished rows (`cost_seconds`)
+    shared: dict[str, list[float | None]] = {}  # the same rows' minutes in shared stages (`shared_seconds`)
     for row in planned:
         if status.get(row.name) == "finished" and (cost := kept[row.name].cost_seconds) is not None:
             minutes.setdefault(row.name.rpartition("-seed")[0], []).append(cost / 60)
+            part = kept[row.name].shared_seconds  # known where the cost is the time from scratch
+            shared.setdefault(row.name.rpartition("-seed")[0], []).append(None if part is None else part / 60)
     found = []
     for row in planned:
         if row.name in status:
@@ -880,18 +891,21 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             found.append(RowStatus(row, f"{'switched off' if row.switched_off else 'cannot run'}: {row.why_not}",
                                    "", ""))
         else:
-            measured, like = minutes.get(row.name.rpartition("-seed")[0]), row.variant.costs_like
+            group, like = row.name.rpartition("-seed")[0], row.variant.costs_like
+            measured = minutes.get(group)
             cost = f"about {_mean(measured):.0f} (mean of {len(measured)})" if measured else "not measured yet"
-            if not measured and like and (measured := minutes.get(f"{row.environment}/{like}")):
+            if not measured and like and (measured := minutes.get(group := f"{row.environment}/{like}")):
                 cost = f"about {_mean(measured):.0f} (as {like}, mean of {len(measured)})"
             else:
                 like = None
+            parts = shared.get(group, [None])
+            in_shared = None if not measured or None in parts else _mean([part for part in parts if part is not None])
             if reason := uninformative(row, runs):
                 found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway",
                                        uninformative=True))
             else:
                 found.append(RowStatus(row, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`",
-                                       _mean(measured) if measured else None, like))
+                                       _mean(measured) if measured else None, like, shared=in_shared))
     return found
 
 
@@ -899,14 +913,22 @@ def plan_table(statuses: list[RowStatus]) -> str:
     """`plan_status` as a table, after a line on the total left."""
     to_run = [s for s in statuses if s.to_run]
     left = sum(s.estimate or 0.0 for s in to_run)
+    once: dict[tuple[str, int], float] = {}  # (environment, seed) -> its shared stages' minutes, counted once
+    for s in to_run:
+        if s.shared is not None:
+            once[(s.row.environment, s.row.seed)] = max(once.get((s.row.environment, s.row.seed), 0.0), s.shared)
+    left_together = left - sum(s.shared or 0.0 for s in to_run) + sum(once.values())
     unmeasured = sum(s.estimate is None for s in to_run)
     idle = sum(s.uninformative for s in statuses)
     finished = sum(s.status == "finished" for s in statuses)
     total = (f"{finished} of {len(statuses)} planned runs finished; {len(to_run)} to run"
-             + (f", about {left / 60:.1f} h by the finished runs of their variants or, where "
-                "named, of a variant they cost like" if left else "")
              + (f" ({unmeasured} not estimated: no finished run on their environment to cost them by)"
                 if unmeasured else "")
+             + (f", about {left / 60:.1f} h by the finished runs of their variants or, where "
+                "named, of a variant they cost like" if left else "")
+             + (f", or about {left_together / 60:.1f} h run in one workspace per environment and seed, where DVC's "
+                "run cache trains the experience model and warm start once for all its rows"
+                if left and left_together < left else "")
              + (f"; {idle} not informative by the finished runs (not run unless named)" if idle else "")
              + ". A run's wall time is what it took where it ran: one that DVC restored earlier stages for takes "
                "less than one that trains its experience model and warm start. A row's estimate is its variant's "
