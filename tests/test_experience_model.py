@@ -376,7 +376,7 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
         budget.check(stats, "synthetic_rl", max_new_tokens=64)
     message = str(failure.value)
     assert message.startswith("synthetic_rl: ")
-    assert "4 of 4 predictions (100%; experience_model.max_fallback_rate is 50%)" in message
+    assert "4 of 4 predictions (100%, above experience_model.max_fallback_rate of 50% at 95% confidence)" in message
     assert "'<next_state>\\nYou open'" in message  # the first failed replies, as they came
     assert "never reach </done>" in message and "max_new_tokens (64)" in message
     assert "train it longer" in message and "experience_model.training" in message
@@ -391,6 +391,16 @@ def test_the_fallback_budget_stops_a_run_with_the_rate_the_replies_and_what_to_d
             settings=inference(retries=1))
     with pytest.raises(ExperienceModelFailure, match=r"backend failed on 1 of 4 calls .*HTTP 404.*base_url"):
         budget.check(stats, "evaluate_experience_model")
+
+    # a stage stops when its failures show the rate over budget, not on one early failure: 1 of 8 over a 10%
+    # budget goes on; 12 of 21 (one episode asking a state the model could not move, every turn) stops
+    ten = FallbackBudget(max_fallback_rate=0.1, max_backend_error_rate=0.0)
+    ten.check(PredictionStats(requests=8, fallbacks=1), "synthetic_rl")
+    ten.check(PredictionStats(requests=200, fallbacks=24), "synthetic_rl")  # 12%: not shown above 10%
+    with pytest.raises(ExperienceModelFailure, match=r"12 of 21 predictions \(57%, above"):
+        ten.check(PredictionStats(requests=21, fallbacks=12), "synthetic_rl")
+    with pytest.raises(ExperienceModelFailure, match=r"60 of 400 predictions"):
+        ten.check(PredictionStats(requests=400, fallbacks=60), "synthetic_rl")  # 15%, and enough to show it
 
 
 # ---- SFT data -------------------------------------------------------------------------------------------------

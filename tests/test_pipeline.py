@@ -184,7 +184,8 @@ def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_
     set_params(onboarded, {"experience_model.max_fallback_rate": 0.5})
     failed = run("dreamgym", "stage", "evaluate_experience_model", cwd=onboarded, check=False)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr
-    assert "fell back on 3 of 3 predictions (100%; experience_model.max_fallback_rate is 50%)" in failed.stderr
+    assert "fell back on 3 of 3 predictions (100%, above experience_model.max_fallback_rate of 50% at 95% " \
+           "confidence)" in failed.stderr
     assert "train it longer" in failed.stderr and "max_new_tokens (16)" in failed.stderr
 
 

@@ -208,6 +208,25 @@ def test_seeded_episodes_are_the_same_in_process_or_split_over_a_simulator_serve
     assert served.stats.requests == sum(len(e.actions) for e in apart)  # the server's environment stepped them all
 
 
+def test_a_step_the_simulator_cannot_predict_ends_the_episode_as_an_environment_failure_there_or_served(tiny):
+    """In process or through the simulator server, an episode the experience model fell back on ends at that step,
+    marked as an environment failure: GRPO gives it no advantage (`training_returns`) and it is no outcome."""
+    from components.rl.loop import trainable, training_returns
+    from components.rl.rollouts import RemoteSyntheticBatch
+    from components.simulator.server import serving, simulator_app
+
+    model, tokenizer = tiny
+    settings = dict(max_turns=3, batched=True, max_action_tokens=3)
+    local = rollout(model, tokenizer, SyntheticBatch(_synthetic(ScriptedBackend(garbage=True))), [TASK, TASK],
+                    POLICY_FORMAT, **settings)
+    with serving(simulator_app(_synthetic(ScriptedBackend(garbage=True)), lambda rng, task_id: TASK)) as url:
+        served = rollout(model, tokenizer, RemoteSyntheticBatch({ENV: url}), [TASK], POLICY_FORMAT, **settings)
+    for episode in [*local, *served]:
+        assert episode.done and len(episode.actions) == 1 and "experience model fell back" in episode.env_failure
+        assert not episode.success and episode.trajectory.steps[-1].info["fallback"]
+    assert trainable(local) == [] and training_returns(local, 2) == [0.0, 0.0]
+
+
 def test_batched_rollouts_draw_from_their_episodes_seeds(tiny):
     """Batched, a turn is one draw for all episodes: from their seeds together, so the same episodes repeat and
     other episodes (another process's share of a group, whose contexts are the same) do not copy them."""

@@ -81,8 +81,9 @@ def test_export_is_self_contained_verified_and_the_same_bytes_again(trained):
 
 def test_the_gymnasium_environment_passes_the_checker_and_plays_an_episode(trained, tmp_path):
     root, _ = trained
-    env = gymnasium.make("components.simulator.gym_env:dreamgym/Simulator-v0", bundle=str(root / "bundle"),
-                         cache_dir=str(tmp_path))
+    make = "components.simulator.gym_env:dreamgym/Simulator-v0"
+    # the tiny model falls back on every step, which ends an episode at once (truncated): the checker wants more
+    env = gymnasium.make(make, bundle=str(root / "bundle"), cache_dir=str(tmp_path), end_on_fallback=False)
     check_env(env.unwrapped)  # spaces, seeded resets, step determinism, returned data not reused
 
     observation, info = env.reset(seed=3)
@@ -100,6 +101,13 @@ def test_the_gymnasium_environment_passes_the_checker_and_plays_an_episode(train
         assert isinstance(info["fallback"], bool) and isinstance(info["retrieved"], list)
     assert turns <= 2 and (terminated or turns == 2)  # the bundle's turn limit truncates
     assert json.loads((root / "bundle" / "manifest.json").read_text())["simulator"]["max_turns"] == 2
+    env.close()
+
+    # by default a step the model could not predict ends the episode, truncated: no outcome rests on the fallback
+    env = gymnasium.make(make, bundle=str(root / "bundle"), cache_dir=str(tmp_path))
+    env.reset(seed=3)
+    _, reward, terminated, truncated, info = env.step("open fridge")
+    assert info["fallback"] and (reward, terminated, truncated) == (0.0, False, True)
     env.close()
 
 
@@ -176,7 +184,9 @@ def test_the_served_simulator_speaks_openenvs_protocol_batches_sessions_and_refu
             assert first["data"]["observation"]["task_id"] in pool_tasks and first["data"]["observation"]["text"]
             assert 1 <= len(steps) <= 2 and all(isinstance(s["data"]["reward"], float) for s in steps)
             last = steps[-1]["data"]["observation"]
-            assert steps[-1]["data"]["done"] and (len(steps) == 2 or not last["truncated"])  # the turn limit: 2
+            # the turn limit (2) truncates, as does a fallback, which says why; the model's own end does not
+            assert steps[-1]["data"]["done"] and (len(steps) == 2 or bool(last["env_failure"]) == last["truncated"])
+            assert last["env_failure"] is None or last["fallback"]
             assert state["data"]["step_count"] == len(steps)
             assert after["type"] == "error" and "send a reset" in after["data"]["message"]
         stats = json.loads(urllib.request.urlopen(f"{base}/health").read())

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from components.config import ParamsError, load_params
-from components.results.evaluation import wilson_interval
 from components.results.study import (
     aggregate,
     claim_verdicts,
@@ -32,6 +31,7 @@ from components.results.study import (
     untested_reasons,
     variants,
 )
+from components.stats import wilson_interval
 from dreamgym.cli import main
 from tests.conftest import REPO
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from components.data.contract import Step, Task, Trajectory, success_rewards, transitions
+from components.envs.base import ENV_FAILURE, env_failure
 from components.envs.episode import run_episode
 from components.llm.backends import HFGenerationBackend
 from components.llm.models import build_tiny_causal_lm
@@ -116,14 +117,28 @@ def test_retrieved_examples_reach_the_prompt_filtered_by_environment():
     assert "retrieved" not in env.episode.steps[0].info  # shown, not stored with the step
 
 
-def test_garbage_output_falls_back_and_is_counted():
+def test_garbage_output_falls_back_is_counted_and_ends_the_episode_as_an_environment_failure():
+    """A step the model could not predict is no outcome of the policy's: the episode ends there, marked as a crashed
+    real environment's would be, so RL, the buffer and evaluation leave it out (an episode that went on asked the
+    model the same state every turn to its limit, 12 of 21 predictions in one MiniWoB iteration)."""
     stats = PredictionStats()
     env = make_env(ScriptedBackend(garbage=True), stats=stats, inference={"retries": 1})
     env.reset(TASK)
     result = env.step("open fridge")
-    assert result.info["fallback"] is True and not result.done and result.reward == 0.0
+    assert result.info["fallback"] is True and result.done and result.reward == 0.0
+    assert result.info["truncated"] and "experience model fell back" in result.info[ENV_FAILURE]
     assert result.observation.state == f"{KITCHEN}\n{FALLBACK_NOTE}"
     assert (stats.requests, stats.generations, stats.fallbacks) == (1, 2, 1)
+    trajectory = record_trajectory(env.episode)
+    assert env_failure(trajectory) and not trajectory.success
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.step("look")
+
+    # an agent loop that handles fallbacks itself can keep the episode going on the unchanged state
+    going = make_env(ScriptedBackend(garbage=True), end_on_fallback=False)
+    going.reset(TASK)
+    result = going.step("open fridge")
+    assert result.info["fallback"] and not result.done and ENV_FAILURE not in result.info
 
 
 def test_batch_of_three_makes_one_backend_call_and_writes_back():

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from statistics import NormalDist
 from typing import Any
 
 from components import distributed
@@ -25,33 +24,13 @@ from components.envs.base import Environment, Observation, Policy, check_not_all
 from components.envs.episode import run_episode
 from components.envs.registry import RealEnvironment, has_adapter, real_environment
 from components.reports import markdown_table
+from components.stats import wilson_interval
 
 SIMULATED = " (simulated)"  # after an environment's name: its held-out games played in the experience model
 PROGRESS_EVERY_S = 5.0  # a progress line at most this often (plus the first and the last episode)
 ENV_FAILURES_COLUMN = "environment failures (excluded)"  # the reports' column for `env_failures`
 ENV_FAILURES_NOTE = ("Episodes an environment failure ended (a hung or crashed engine or browser: not the policy's "
                      "doing) are counted apart and left out of episodes, success, its interval and the means.")
-
-
-def wilson_interval(successes: int, n: int, confidence: float) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion; (0, 1) when there is no episode at all.
-
-    Wilson rather than the normal approximation: it stays inside [0, 1] and is not degenerate at 0/n or n/n,
-    which is exactly where expert and random baselines sit.
-    """
-    if not 0 <= successes <= n:
-        raise ValueError(f"need 0 <= successes <= n, got {successes}/{n}")
-    if n == 0:
-        return 0.0, 1.0
-    z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    p = successes / n
-    denominator = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    # exact bounds at the edges (the formula gives them up to rounding)
-    low = 0.0 if successes == 0 else max(0.0, center - half)
-    high = 1.0 if successes == n else min(1.0, center + half)
-    return low, high
 
 
 @dataclass(frozen=True)

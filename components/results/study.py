@@ -37,7 +37,8 @@ from components.reports import (
     write_csv,
     write_stage_outputs,
 )
-from components.results.evaluation import SIMULATED, wilson_interval
+from components.results.evaluation import SIMULATED
+from components.stats import wilson_interval
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ bookkeeping and new task variations; then one policy update. Every `save_every` 
 policy adapter, the optimizer, the RNG states and, next to them, the replay buffer, the curriculum and the iteration
 log, so a crashed run resumes from the last checkpoint without losing or repeating an iteration.
 
-An episode an environment failure ended (real environments only: a hung or dead engine or browser) is not the
-policy's outcome: the iteration log counts it (`env_failures`) and leaves it out of the outcome means, the update
-gives it no advantage (`training_returns` for GRPO's groups, `trainable` for PPO), the curriculum does not see it and
-the replay buffer does not get it. An iteration every episode of which failed stops the run with an error.
+An episode an environment failure ended (a hung or dead engine or browser; in the synthetic environment, a step the
+experience model could not predict) is not the policy's outcome: the iteration log counts it (`env_failures`) and
+leaves it out of the outcome means, the update gives it no advantage (`training_returns` for GRPO's groups,
+`trainable` for PPO), the curriculum does not see it and the replay buffer does not get it. An iteration every episode
+of which failed stops the run with an error.
 """
 from __future__ import annotations
 

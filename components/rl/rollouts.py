@@ -142,6 +142,8 @@ class RemoteSyntheticBatch:
             info = {key: observation[key] for key in ("fallback", "reasoning", "truncated", "retrieved")}
             if observation.get("success") is not None:
                 info["success"] = observation["success"]
+            if observation.get("env_failure"):
+                info[ENV_FAILURE] = observation["env_failure"]
             results.append(StepResult(Observation(observation["text"]), reply["reward"], reply["done"],
                                       {"synthetic": True, **info}))
         return results

@@ -50,6 +50,7 @@ from components.llm.backends import BackendError, GenerationBackend, Message, Pr
 from components.simulator import state_changes
 from components.simulator.annotation import AnnotatedTransition
 from components.simulator.replay_buffer import ReplayBuffer, Retrieved
+from components.stats import wilson_interval
 
 if TYPE_CHECKING:  # heavy imports (torch, transformers, datasets) happen inside the functions that need them
     from datasets import Dataset
@@ -302,17 +303,16 @@ def sft_examples(
 
 # ---- prediction with retries and fallback ---------------------------------------------------------------------
 
-# Appended to the unchanged state when the model gave nothing usable. The policy sees an environment that did not
-# react (as real environments answer an unrecognised command), and the rollout goes on.
+# Appended to the unchanged state when the model gave nothing usable.
 FALLBACK_NOTE = "[no effect: the environment did not respond to this action]"
 
 
 def fallback_prediction(query: ExperienceQuery, attempts: int) -> Prediction:
     """The outcome used when every reply was unparsable: state unchanged (plus FALLBACK_NOTE), reward 0, not done.
 
-    Why these values: reward 0 never credits the policy for the simulator's failure; not-done keeps the episode's
-    length in the hands of the rollout's step cap instead of ending it with a made-up outcome; an unchanged state
-    is the least-informative honest answer. `Prediction.fallback` and `PredictionStats` tell them apart.
+    Reward 0 never credits the policy for the simulator's failure, and an unchanged state is the least-informative
+    honest answer. `Prediction.fallback` and `PredictionStats` tell it apart; the synthetic environment ends the
+    episode there as an environment failure (`synthetic.SyntheticEnvironment`), so no outcome rests on it.
     """
     return Prediction(f"{query.state}\n{FALLBACK_NOTE}", 0.0, False, None, fallback=True, attempts=attempts)
 
@@ -366,6 +366,9 @@ class PredictionStats:
             self.failed_replies.append(reply)
 
 
+BUDGET_CONFIDENCE = 0.95  # how sure a stage must be that the experience model fails too often before it stops
+
+
 class ExperienceModelFailure(RuntimeError):
     """The experience model failed more often than its budget allows: its outcomes would be the fallback's."""
 
@@ -373,23 +376,31 @@ class ExperienceModelFailure(RuntimeError):
 @dataclass(frozen=True)
 class FallbackBudget:
     """How often the experience model may fail before a stage stops (params experience_model.max_fallback_rate and
-    max_backend_error_rate, fractions in [0, 1])."""
+    max_backend_error_rate, fractions in [0, 1]). A stage stops when its failures show the rate above the budget at
+    BUDGET_CONFIDENCE (one-sided Wilson bound), not on the first rate over it: checked before each RL iteration, a
+    point estimate would stop a run on one failure among its first few predictions (1 of 8: 12%), while a model that
+    fails at scale still stops within a few (4 of 4, or 12 of 21 against 10%)."""
 
     max_fallback_rate: float
     max_backend_error_rate: float
+
+    def over(self, failures: int, total: int, budget: float) -> bool:
+        """Whether `failures` of `total` show a rate above `budget`."""
+        return wilson_interval(failures, total, 2 * BUDGET_CONFIDENCE - 1)[0] > budget if total else False
 
     def check(self, stats: PredictionStats, where: str, max_new_tokens: int | None = None) -> None:
         """Raise ExperienceModelFailure, with the rate, the first failed replies and what to do, when `stats` are over
         budget; `where` names the stage (and part) in the message."""
         problems = []
-        if stats.backend_error_rate > self.max_backend_error_rate:
+        if self.over(stats.backend_errors, stats.backend_calls, self.max_backend_error_rate):
             problems.append(
                 f"the backend failed on {stats.backend_errors} of {stats.backend_calls} calls "
-                f"({stats.backend_error_rate:.0%}; experience_model.max_backend_error_rate is "
-                f"{self.max_backend_error_rate:.0%}); last error: {stats.last_backend_error}. Check the endpoint "
+                f"({stats.backend_error_rate:.0%}, above experience_model.max_backend_error_rate of "
+                f"{self.max_backend_error_rate:.0%} at {BUDGET_CONFIDENCE:.0%} confidence); last error: "
+                f"{stats.last_backend_error}. Check the endpoint "
                 "(experience_model.inference.base_url), the served model's name (models.experience) and the key in "
                 "OPENAI_API_KEY, or the model directory for the hf backend")
-        if stats.fallback_rate > self.max_fallback_rate:
+        if self.over(stats.fallbacks, stats.requests, self.max_fallback_rate):
             shown = "".join(f"\n  {n}. {_preview(reply)}" for n, reply in enumerate(stats.failed_replies, 1))
             cut = [reply for reply in stats.failed_replies if REPLY_END not in reply]
             hint = (f" {len(cut)} of the {len(stats.failed_replies)} shown never reach {REPLY_END}: cut at "
@@ -398,9 +409,9 @@ class FallbackBudget:
             out_of_range = (f" {stats.reward_out_of_range} replies gave a reward outside data.reward_range."
                             if stats.reward_out_of_range else "")
             problems.append(
-                f"it fell back on {stats.fallbacks} of {stats.requests} predictions ({stats.fallback_rate:.0%}; "
-                f"experience_model.max_fallback_rate is {self.max_fallback_rate:.0%}), so those steps are 'state "
-                f"unchanged, reward 0', not a simulation.{out_of_range}{hint} First unparsable replies:"
+                f"it fell back on {stats.fallbacks} of {stats.requests} predictions ({stats.fallback_rate:.0%}, above "
+                f"experience_model.max_fallback_rate of {self.max_fallback_rate:.0%} at {BUDGET_CONFIDENCE:.0%} "
+                f"confidence), so those steps are no simulation.{out_of_range}{hint} First unparsable replies:"
                 f"{shown or ' (none kept: they came before a resume)'}\nWhat to do: train it longer "
                 "(experience_model.training: max_steps -1 and more epochs) until its replies parse; raise "
                 "experience_model.inference.max_new_tokens if replies are cut before the closing tag; allow "

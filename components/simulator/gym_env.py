@@ -7,8 +7,9 @@
 
 Observations and actions are text. The task's instruction comes with the first state in `info["instruction"]` (and
 `info["task_id"]`); `options={"task_id": ...}` picks a task. Reward and termination are the experience model's;
-an episode is truncated at the bundle's turn limit (or `max_turns`). `info` carries the fallback flag (the reply
-could not be parsed and the state was kept), the model's reasoning and the retrieved examples' ids.
+an episode is truncated at the bundle's turn limit (or `max_turns`), and at a step the model could not predict (its
+fallback: no parsable reply; `end_on_fallback=False` keeps it going on the unchanged state). `info` carries the
+fallback flag, the model's reasoning and the retrieved examples' ids.
 
 The id is registered when this module is imported: the `module:id` form above imports it for `gymnasium.make` (after
 `import components.simulator.gym_env`, "dreamgym/Simulator-v0" alone does).
@@ -22,6 +23,7 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
+from components.envs.base import ENV_FAILURE
 from components.simulator.bundle import load_bundle
 
 ENV_ID = "dreamgym/Simulator-v0"
@@ -50,9 +52,11 @@ class SimulatorEnv(gymnasium.Env):
     metadata = {"render_modes": ["ansi"]}
 
     def __init__(self, bundle: str | Path, environment: str | None = None, max_turns: int | None = None,
-                 backend: str | None = None, cache_dir: str | Path | None = None, render_mode: str | None = None):
+                 backend: str | None = None, cache_dir: str | Path | None = None, render_mode: str | None = None,
+                 end_on_fallback: bool = True):
         self.bundle = load_bundle(bundle)
-        self.simulator = self.bundle.environment(environment, backend=backend, cache_dir=cache_dir)
+        self.simulator = self.bundle.environment(environment, backend=backend, cache_dir=cache_dir,
+                                                 end_on_fallback=end_on_fallback)
         self.environment = self.simulator.name
         self.max_turns = max_turns or self.bundle.max_turns
         self.observation_space, self.action_space = AnyText(), AnyText()
@@ -73,10 +77,11 @@ class SimulatorEnv(gymnasium.Env):
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         result = self.simulator.step(str(action))
         self._last = result.observation.state
-        truncated = self.bundle.truncated(self.simulator.episode, self.max_turns)
+        failed = ENV_FAILURE in result.info  # the model's fallback ended it: truncated, not terminated
+        truncated = failed or self.bundle.truncated(self.simulator.episode, self.max_turns)
         info = {"fallback": result.info["fallback"], "reasoning": result.info.get("reasoning", ""),
                 "retrieved": result.info.get("retrieved", []), "success": result.info.get("success", False)}
-        return self._last, float(result.reward), bool(result.done), truncated, info
+        return self._last, float(result.reward), result.done and not failed, truncated, info
 
     def render(self) -> str | None:
         return self._last if self.render_mode == "ansi" else None

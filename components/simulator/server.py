@@ -8,7 +8,8 @@ Each WebSocket connection to `/ws` is one session with its own episode: the clie
 trajectory record) or `{"type": "close"}`, and gets `{"type": "observation", "data": {"observation": {...},
 "reward": r, "done": d}}`, `{"type": "state", "data": {...}}` or `{"type": "error", "data": {"message", "code"}}`.
 The observation carries the text (`text`), the task, and what `gym_env.SimulatorEnv` puts in `info` (fallback,
-retrieved examples' ids, truncation at the turn limit, success once done). OpenEnv's `GenericEnvClient(base_url=...)`
+retrieved examples' ids, truncation at the turn limit, success once done), and `env_failure`: why the episode ended
+without an outcome (the model's fallback ends it), else null. OpenEnv's `GenericEnvClient(base_url=...)`
 is a client.
 
 Steps of all sessions are batched: while the experience model answers one batch, the steps that arrive wait, and go
@@ -36,6 +37,7 @@ from fastapi import FastAPI, HTTPException, WebSocket, WebSocketDisconnect
 
 from components import distributed
 from components.data.contract import Task
+from components.envs.base import ENV_FAILURE
 from components.simulator.synthetic import record_trajectory
 
 if TYPE_CHECKING:  # create_app imports them: the RL stages, which serve no bundle, do not depend on them
@@ -147,6 +149,7 @@ def simulator_app(simulator: Any, choose_task: Callable[[random.Random, str | No
         session.episode, session.ended = simulator.new_episode(task), False
         return {"observation": {"text": session.episode.state, "task_id": task.task_id,
                                 "instruction": task.instruction, "truncated": False, "fallback": False,
+                                "env_failure": None,
                                 "retrieved": [], "reasoning": ""}, "reward": None, "done": False}
 
     async def next_observation(session: Session, action: str) -> dict[str, Any]:
@@ -156,9 +159,12 @@ def simulator_app(simulator: Any, choose_task: Callable[[random.Random, str | No
         ended_by_limit = truncated(session.episode)
         if session.episode.done:
             end_episode(session)
+        failure = result.info.get(ENV_FAILURE)  # the model's fallback ended the episode: why
         return {"observation": {"text": result.observation.state, "task_id": session.episode.task.task_id,
-                                "instruction": session.episode.task.instruction, "truncated": ended_by_limit,
-                                "fallback": result.info["fallback"], "retrieved": result.info.get("retrieved", []),
+                                "instruction": session.episode.task.instruction,
+                                "truncated": ended_by_limit or failure is not None,
+                                "fallback": result.info["fallback"], "env_failure": failure,
+                                "retrieved": result.info.get("retrieved", []),
                                 "reasoning": result.info.get("reasoning", ""),
                                 "success": result.info.get("success")},  # the environment's verdict, when done
                 "reward": float(result.reward), "done": bool(result.done or ended_by_limit)}
@@ -189,7 +195,8 @@ def simulator_app(simulator: Any, choose_task: Callable[[random.Random, str | No
         return {"action": {"type": "object", "properties": {"message": text}, "required": ["message"]},
                 "observation": {"type": "object", "properties": {
                     "text": text, "task_id": text, "instruction": text, "truncated": {"type": "boolean"},
-                    "fallback": {"type": "boolean"}, "retrieved": {"type": "array", "items": text},
+                    "fallback": {"type": "boolean"}, "env_failure": {"type": ["string", "null"]},
+                    "retrieved": {"type": "array", "items": text},
                     "reasoning": text, "success": {"type": ["boolean", "null"]}}},
                 "state": {"type": "object", "properties": {"episode_id": text, "step_count": {"type": "integer"},
                                                            "task_id": text, "trajectory": {"type": "object"}}}}

@@ -4,7 +4,10 @@
 `name` is the real environment it imitates), so RL code cannot tell them apart. Each step asks the experience model
 (through `predict`, which never raises on bad output: it retries, then falls back) for the next state, reward and
 `done`, with the episode's recent history and the top-k most similar transitions of that environment from the
-replay buffer in the prompt.
+replay buffer in the prompt. A step the model could not predict (its fallback) ends the episode as an environment
+failure (`base.ENV_FAILURE`; unless `end_on_fallback` is off), as a crashed browser ends a real one: the episode is
+not the policy's outcome, so RL gives it no advantage, the buffer and the curriculum do not get it, and evaluation
+counts it apart. Going on from a state the model could not move would ask it the same again.
 
 Rollouts are cheap because many episodes step together: `step_batch(episodes, actions)` does one `retrieve_batch`
 per environment and one `predict` call for all of them. `step` is the batch of one, on the episode `reset` started.
@@ -20,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from components.data.contract import Step, Task, Trajectory, is_success, transitions
-from components.envs.base import Environment, Observation, StepResult
+from components.envs.base import ENV_FAILURE, Environment, Observation, StepResult
 from components.llm.backends import GenerationBackend
 from components.simulator.experience_model import (
     ExperienceQuery,
@@ -61,14 +64,17 @@ class SyntheticEnvironment(Environment):
         stats: PredictionStats | None = None,
         success_reward: float | None = None,
         initial_states: Mapping[str, str] | None = None,
+        end_on_fallback: bool = True,
     ) -> None:
         """`fmt` (params experience_model.prompt) also sets the history length and the number of retrieved
-        examples; `settings` how the experience model is asked (`experience_model.predict`'s)."""
+        examples; `settings` how the experience model is asked (`experience_model.predict`'s); `end_on_fallback`
+        False keeps an episode going after a fallback, on the unchanged state (an agent loop that handles it)."""
         self.name = name  # type: ignore[misc]  # per instance: the real environment this one imitates
         self.backend, self.buffer, self.fmt, self.settings = backend, buffer, fmt, settings
         self.stats = stats if stats is not None else PredictionStats()
         self.success_reward = success_reward  # a final reward that wins (contract.success_rewards); None: any > 0
         self.initial_states = dict(initial_states or {})
+        self.end_on_fallback = end_on_fallback
         self.episode: SyntheticEpisode | None = None
 
     # -- episodes --
@@ -108,15 +114,19 @@ class SyntheticEnvironment(Environment):
         predictions = predict(self.backend, queries, self.fmt, self.settings, stats=self.stats)
         results = []
         for episode, action, prediction, found in zip(episodes, actions, predictions, examples, strict=True):
+            failed = prediction.fallback and self.end_on_fallback
             info = {"synthetic": True, "fallback": prediction.fallback, "reasoning": prediction.reasoning,
-                    "truncated": False}
-            episode.steps.append(Step(episode.state, action, prediction.next_state, prediction.reward,
-                                      prediction.done, dict(info)))
-            episode.state, episode.done = prediction.next_state, prediction.done
+                    "truncated": failed}
+            if failed:
+                info[ENV_FAILURE] = "the experience model fell back: no parsable reply, or a prompt over its context"
+            done = prediction.done or failed
+            episode.steps.append(Step(episode.state, action, prediction.next_state, prediction.reward, done,
+                                      dict(info)))
+            episode.state, episode.done = prediction.next_state, done
             if prediction.done:
                 episode.success = info["success"] = is_success(prediction.reward, True, self.success_reward)
             retrieved = [f"{r.trajectory_id}/{r.step_index}" for r in found]  # shown in info, not stored in the step
-            results.append(StepResult(Observation(prediction.next_state), prediction.reward, prediction.done,
+            results.append(StepResult(Observation(prediction.next_state), prediction.reward, done,
                                       {**info, "retrieved": retrieved}))
         return results
 
