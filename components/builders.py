@@ -218,8 +218,9 @@ def synthetic_environments(params: Params, root: Path, buffer: Any, names: list[
     backend = experience_backend(params, root)
     stats = em.PredictionStats()
     wins = success_rewards(params, root)
-    envs = [SyntheticEnvironment(name, backend, buffer, fmt, settings, stats=stats, success_reward=wins.get(name))
-            for name in names]
+    ends = params.experience_model.inference.fallback_ends_episode
+    envs = [SyntheticEnvironment(name, backend, buffer, fmt, settings, stats=stats, success_reward=wins.get(name),
+                                 end_on_fallback=ends) for name in names]
     return envs, stats
 
 

@@ -233,6 +233,9 @@ class InferenceParams(Section):
     temperature: float = Field(ge=0)
     retries: int = Field(ge=0)
     retry_temperature: float = Field(ge=0)
+    fallback_ends_episode: bool = Field(
+        description="a step the model could not predict ends its synthetic episode as an environment failure (no "
+                    "outcome rests on it); false keeps the state and goes on")
 
 
 class ExperienceModelParams(Section):

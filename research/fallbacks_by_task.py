@@ -36,20 +36,19 @@ def main() -> None:
             continue
         name = task.parameters.get("task", task.environment)
         picked[name] += list(transitions(trajectory))[: args.steps - len(picked[name])]
-    buffer = saved_buffer(params, root)
-    total = PredictionStats()
+    stats = PredictionStats()
+    predict = experience_predictor(params, root, saved_buffer(params, root), stats)  # the model, loaded once
     for name, steps in sorted(picked.items()):
-        stats = PredictionStats()
-        predictions = experience_predictor(params, root, buffer, stats)(steps)
+        fallbacks, stats.failed_replies = stats.fallbacks, []  # it keeps the first few failed replies: each task's
+        predictions = predict(steps)
         answered = [(p, s) for p, s in zip(predictions, steps, strict=True) if not p.fallback]
-        print(json.dumps({"task": name, "steps": len(steps), "fallbacks": stats.fallbacks,
+        print(json.dumps({"task": name, "steps": len(steps), "fallbacks": stats.fallbacks - fallbacks,
                           "same_next_state": sum(p.next_state.strip() == s.next_state.strip() for p, s in answered),
                           "reward_side_right": sum((p.reward > 0) == (s.reward > 0) for p, s in answered)}),
               flush=True)
         for reply in stats.failed_replies[:1]:
             print("  first failed reply ends:", json.dumps(reply[-300:]), flush=True)
-        total.requests, total.fallbacks = total.requests + stats.requests, total.fallbacks + stats.fallbacks
-    print(json.dumps({"steps": total.requests, "fallbacks": total.fallbacks}))
+    print(json.dumps({"steps": stats.requests, "fallbacks": stats.fallbacks}))
 
 
 if __name__ == "__main__":

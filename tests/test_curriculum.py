@@ -151,6 +151,15 @@ def test_generated_picks_prefer_unplayed_newest_then_highest_variance():
     # unplayed first, then those that still vary; tw-1~g0-0 was always solved and is no longer played
     assert [t.task_id for t in picks] == ["tw-0~g0-0~g1-0", "tw-0~g0-0"]
 
+    # a variation whose every episode an environment failure ended (the simulator could not go on) has no variance:
+    # it is not picked again as never played, which would replay it every iteration
+    curriculum.observe_failures([picks[0], tasks[0]])
+    assert curriculum.unplayable == {"tw-0~g0-0~g1-0"}  # generated tasks only
+    assert [t.task_id for t in curriculum.tasks_for_iteration(3, 4, 1, seed=0)[-2:]][-1] == "tw-0~g0-0"
+    restored = Curriculum(tasks, curriculum_settings(max_generated_share=0.5, top_tasks=2))
+    restored.load_state_dict(json.loads(json.dumps(curriculum.state_dict())))
+    assert restored.unplayable == curriculum.unplayable
+
 
 def test_propose_writes_validated_versioned_task_records(tmp_path):
     tasks = make_tasks(3)

@@ -231,13 +231,15 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
         other = plan(_cpu_study(seeds=[0], variants=["no-curriculum"], environments=[environment]), 28)
         assert f"| {environment}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), other,
                                                                                  "cpu")[1]
-    # rows of one environment and seed share the experience model and warm start (70 of each row's 140 minutes):
-    # in one workspace DVC trains them once per seed, 3 x 140 - 3 x 70 + 2 x 70 = 350 minutes for these three rows
+    # rows of one environment and seed share the warm start (20 of each row's 140 minutes) and, where they set the
+    # same experience_model params, the experience model (50): in one workspace DVC trains each once. no-retrieval
+    # sets experience_model.prompt.use_retrieval, so it trains its own: 3 x 140 - 3 x 70 + 2 x 20 + 3 x 50 = 400
     (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": {"accepted": 1}}))
     together = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "no-retrieval"], environments=[tw]), 28)
     assert "1 of 4 planned runs finished; 3 to run, about 7.0 h by the finished runs of their variants or, where " \
-           "named, of a variant they cost like, or about 5.8 h run in one workspace per environment and seed, " \
-           "where DVC's run cache trains the experience model and warm start once for all its rows." in report(
+           "named, of a variant they cost like, or about 6.7 h run in one workspace per environment and seed, " \
+           "where DVC's run cache trains the warm start once for all its rows and the experience model once for the " \
+           "rows that set the same experience_model params." in report(
                results, 0.95, ("grpo",), together, "cpu")[1]
 
 

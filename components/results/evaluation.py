@@ -189,7 +189,8 @@ def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[T
 
     The closed-loop measure a seed-only domain has: success is the experience model's verdict, so this scores the
     policy against the simulator, not the application (report it as such). All tasks play at once (`batched`: see
-    rollouts.rollout).
+    rollouts.rollout). A game the model could not go on with (its fallback, where it ends the episode) counts apart,
+    as a real environment's failure does; every game ending so raises.
     """
     from components.rl.rollouts import rollout
 
@@ -197,6 +198,7 @@ def evaluate_in_simulation(model: Any, tokenizer: Any, batch: Any, tasks: list[T
     episodes = rollout(model, tokenizer, batch, tasks, fmt, max_turns=max_turns, batched=batched,
                        max_action_tokens=max_action_tokens, temperature=0.0)
     environment = ",".join(sorted({task.environment for task in tasks}))
+    check_not_all_failed([e.trajectory for e in episodes], f"evaluate {environment} (simulated) / {name}")
     return summarize(environment, name, [e.trajectory for e in episodes], confidence, time.monotonic() - started)
 
 
@@ -226,9 +228,10 @@ def replay_in_real(kind: RealEnvironment, env_params: EnvironmentsParams, episod
 
 def outcome_agreement(synthetic: Sequence[Trajectory], real: Sequence[Trajectory]) -> dict[str, int]:
     """How the synthetic outcomes of episodes compare with their replays in the real environment (paired in order);
-    a pair whose replay an environment failure ended has no real outcome: counted in `env_failures` only."""
+    a pair with an episode an environment failure ended (the replay's, or the synthetic one's where the model fell
+    back) lacks an outcome: counted in `env_failures` only."""
     all_pairs = list(zip(synthetic, real, strict=True))
-    pairs = [(s, r) for s, r in all_pairs if env_failure(r) is None]
+    pairs = [(s, r) for s, r in all_pairs if env_failure(s) is None and env_failure(r) is None]
     return {"episodes": len(pairs), "env_failures": len(all_pairs) - len(pairs),
             "synthetic_successes": sum(s.success for s, _ in pairs),
             "real_successes": sum(r.success for _, r in pairs),

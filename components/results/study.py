@@ -377,17 +377,19 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
         shared = self.shared_seconds
         if shared is None:
             return None
-        return shared + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
+        return sum(shared.values()) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
             + self.simulator.get("seconds", 0.0) + sum(
             entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
             for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)
 
     @property
-    def shared_seconds(self) -> float | None:
-        """The time of the stages every row of its environment and seed shares (UPSTREAM_FILES: the experience model
-        and the warm start), which DVC's run cache trains once in one workspace; None where not kept."""
-        upstream = [kept.get("seconds") for kept in self.upstream]
-        return None if None in upstream or self.correction else sum(upstream)
+    def shared_seconds(self) -> dict[str, float] | None:
+        """The time of each stage that other rows of its environment and seed can share (UPSTREAM_FILES, by stage:
+        the experience model, shared by rows that set no experience_model param, and the warm start, by all), which
+        DVC's run cache runs once in one workspace; None where not kept."""
+        seconds = {name.removesuffix(".json"): kept.get("seconds") for name, kept in zip(UPSTREAM_FILES, self.upstream,
+                                                                                          strict=True)}
+        return None if None in seconds.values() or self.correction else seconds
 
     @property
     def cost_seconds(self) -> float | None:
@@ -454,7 +456,7 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
     Methods appear in the order of `variants()`; a method's episodes count once per seed (the same warm start is
     evaluated in the DreamGym run of each algorithm). Transitions are those the evaluated policy was trained on: real
     ones in sim-to-real or real RL, synthetic ones when it descends from synthetic RL (whose experience-model
-    fallback rate is given too: replies that could not be parsed and were replaced by "state unchanged").
+    fallback rate is given too: predictions whose replies could not be parsed, so no simulation).
     """
     pooled: dict[tuple[str, str], dict[str, Any]] = {}  # (method, environment) -> counts
     for run, label, method, environment, result in _method_results(runs):
@@ -856,7 +858,7 @@ class RowStatus:
     estimate: float | None = None  # minutes, for a row to run whose variant has finished runs on its environment
     costed_by: str | None = None  # the look-alike variant whose runs give the estimate (Variant.costs_like)
     uninformative: bool = False  # not run: the finished runs show it would tell nothing (`uninformative`)
-    shared: float | None = None  # minutes of the estimate in stages its environment and seed's rows share
+    shared: dict[str, float] | None = None  # minutes of the estimate in stages other rows can share, by stage
 
     @property
     def to_run(self) -> bool:
@@ -877,12 +879,13 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             except ParamsError as error:
                 status[row.name] = f"kept with other params: {error}"
     minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> minutes of its finished rows (`cost_seconds`)
-    shared: dict[str, list[float | None]] = {}  # the same rows' minutes in shared stages (`shared_seconds`)
+    shared: dict[str, list[dict[str, float] | None]] = {}  # the same rows' shareable stages (`shared_seconds`)
     for row in planned:
         if status.get(row.name) == "finished" and (cost := kept[row.name].cost_seconds) is not None:
             minutes.setdefault(row.name.rpartition("-seed")[0], []).append(cost / 60)
             part = kept[row.name].shared_seconds  # known where the cost is the time from scratch
-            shared.setdefault(row.name.rpartition("-seed")[0], []).append(None if part is None else part / 60)
+            shared.setdefault(row.name.rpartition("-seed")[0], []).append(
+                None if part is None else {stage: seconds / 60 for stage, seconds in part.items()})
     found = []
     for row in planned:
         if row.name in status:
@@ -900,7 +903,8 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             else:
                 like = None
             parts = shared.get(group, [None])
-            in_shared = None if not measured or None in parts else _mean([part for part in parts if part is not None])
+            in_shared = None if not measured or None in parts else {
+                stage: _mean([part[stage] for part in parts if part is not None]) for stage in parts[0] or {}}
             if reason := uninformative(row, runs):
                 found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway",
                                        uninformative=True))
@@ -910,15 +914,26 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
     return found
 
 
+EXPERIENCE_STAGE = UPSTREAM_FILES[0].removesuffix(".json")  # trained again by a row that sets experience_model params
+
+
+def _experience_overrides(row: PlannedRun) -> str:
+    """The experience_model params a row sets: rows setting the same ones share one trained experience model."""
+    return json.dumps({k: v for k, v in (row.overrides or {}).items() if k.startswith("experience_model.")},
+                      sort_keys=True)
+
+
 def plan_table(statuses: list[RowStatus]) -> str:
     """`plan_status` as a table, after a line on the total left."""
     to_run = [s for s in statuses if s.to_run]
     left = sum(s.estimate or 0.0 for s in to_run)
-    once: dict[tuple[str, int], float] = {}  # (environment, seed) -> its shared stages' minutes, counted once
+    once: dict[tuple, float] = {}  # a shareable stage of an environment and seed (and its params) -> minutes, once
     for s in to_run:
-        if s.shared is not None:
-            once[(s.row.environment, s.row.seed)] = max(once.get((s.row.environment, s.row.seed), 0.0), s.shared)
-    left_together = left - sum(s.shared or 0.0 for s in to_run) + sum(once.values())
+        for stage, minutes in (s.shared or {}).items():
+            params = _experience_overrides(s.row) if stage == EXPERIENCE_STAGE else ""
+            key = (s.row.environment, s.row.seed, stage, params)
+            once[key] = max(once.get(key, 0.0), minutes)
+    left_together = left - sum(sum((s.shared or {}).values()) for s in to_run) + sum(once.values())
     unmeasured = sum(s.estimate is None for s in to_run)
     idle = sum(s.uninformative for s in statuses)
     finished = sum(s.status == "finished" for s in statuses)
@@ -928,7 +943,8 @@ def plan_table(statuses: list[RowStatus]) -> str:
              + (f", about {left / 60:.1f} h by the finished runs of their variants or, where "
                 "named, of a variant they cost like" if left else "")
              + (f", or about {left_together / 60:.1f} h run in one workspace per environment and seed, where DVC's "
-                "run cache trains the experience model and warm start once for all its rows"
+                "run cache trains the warm start once for all its rows and the experience model once for the rows "
+                "that set the same experience_model params"
                 if left and left_together < left else "")
              + (f"; {idle} not informative by the finished runs (not run unless named)" if idle else "")
              + ". A run's wall time is what it took where it ran: one that DVC restored earlier stages for takes "

@@ -144,6 +144,7 @@ class Curriculum:
         self.variance: dict[str, float] = {}  # task id -> reward variance when it was last played
         self.cluster_variance: dict[int, float] = {}  # PPO: cluster -> variance when it was last played
         self.last_observed: list[str] = []  # task ids of the latest `observe`: the policy as it is now
+        self.unplayable: set[str] = set()  # generated tasks whose every episode an environment failure ended
         self.counts: Counter[str] = Counter()
         self.rejections: list[dict[str, str]] = []
 
@@ -164,7 +165,7 @@ class Curriculum:
         # 1e-9: 0.29 * 100 is 28.999999999999996 in floating point, and the cap means 29
         cap = math.floor(self.settings.max_generated_share * tasks_per_iteration + 1e-9)
         order = {task.task_id: number for number, task in enumerate(self.generated)}
-        unplayed = [t for t in self.generated if t.task_id not in self.variance]
+        unplayed = [t for t in self.generated if t.task_id not in self.variance and t.task_id not in self.unplayable]
         # newest iteration first; within one iteration, creation order (parents of highest variance first)
         unplayed.sort(key=lambda t: (-t.parameters["generated_at_iteration"], order[t.task_id]))
         informative = [t for t in self.generated
@@ -188,6 +189,13 @@ class Curriculum:
         for task_id in self.last_observed:
             self.variance[task_id] = variances[self.group_of(task_id)]
         self.cluster_variance.update({g[1]: v for g, v in variances.items() if g[0] == "cluster"})
+
+    def observe_failures(self, tasks: Sequence[Task]) -> None:
+        """Record generated tasks played whose every episode an environment failure ended (in the synthetic
+        environment: the experience model could not go on): they have no variance, and are not picked again as
+        never played, which would replay them every iteration."""
+        generated = {task.task_id for task in self.generated}
+        self.unplayable |= {t.task_id for t in tasks if t.task_id in generated and t.task_id not in self.variance}
 
     def group_of(self, task_id: str) -> tuple[str, Any]:
         if self.clusters is not None and task_id in self.clusters:
@@ -282,6 +290,7 @@ class Curriculum:
             "cluster_variance": {str(c): v for c, v in self.cluster_variance.items()},  # JSON keys are strings
             "clusters": dict(self.clusters) if self.clusters is not None else None,
             "last_observed": list(self.last_observed),
+            "unplayable": sorted(self.unplayable),
             "counts": dict(self.counts),
             "rejections": list(self.rejections),
         }
@@ -296,6 +305,7 @@ class Curriculum:
         self.cluster_variance = {int(c): v for c, v in state["cluster_variance"].items()}
         self.clusters = dict(state["clusters"]) if state["clusters"] is not None else None
         self.last_observed = list(state["last_observed"])
+        self.unplayable = set(state.get("unplayable", []))  # absent from checkpoints written before it existed
         self.counts = Counter(state["counts"])
         self.rejections = list(state["rejections"])
 

@@ -227,6 +227,7 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
         added = add_to_buffer(buffer, [e.trajectory for e in trainable(episodes)]) if buffer is not None else 0
         buffer_seconds, started = time.monotonic() - started, time.monotonic()
         curriculum.observe([e.task for e in trainable(episodes)], [e.return_ for e in trainable(episodes)])
+        curriculum.observe_failures([e.task for e in episodes if e not in trainable(episodes)])
         if generator is not None:
             curriculum.propose(generator, iteration + 1)
         fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,

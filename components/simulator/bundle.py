@@ -162,11 +162,12 @@ class Bundle:
         return load_replay_buffer(self.path / BUFFER_DIR, encoder, IndexSettings(**self.simulator["buffer_index"]))
 
     def environment(self, name: str | None = None, *, backend: str | None = None,
-                    cache_dir: str | Path | None = None, end_on_fallback: bool = True):
+                    cache_dir: str | Path | None = None, end_on_fallback: bool | None = None):
         """The synthetic environment imitating `name` (default: the bundle's only one), the pipeline's own
         `SyntheticEnvironment`, with the bundle's model (`backend` as in `Bundle.backend`) and, when its prompts
         retrieve, its buffer loaded; `cache_dir` (default: the bundle's `.cache`) as in `Bundle.backend`;
-        `end_on_fallback` as in `SyntheticEnvironment`."""
+        `end_on_fallback` as in `SyntheticEnvironment` (default: the project's
+        experience_model.inference.fallback_ends_episode; a bundle made before it existed kept the state)."""
         from components.simulator.synthetic import SyntheticEnvironment
 
         if name is None and len(self.environments) != 1:
@@ -181,7 +182,8 @@ class Bundle:
         return SyntheticEnvironment(name, self.backend(cache, backend), buffer, self.prompt_format(),
                                     self.inference_settings(),
                                     success_reward=self.simulator["success_rewards"].get(name),
-                                    end_on_fallback=end_on_fallback)
+                                    end_on_fallback=self.simulator["inference"].get("fallback_ends_episode", False)
+                                    if end_on_fallback is None else end_on_fallback)
 
     def truncated(self, episode: Any, max_turns: int | None = None) -> bool:
         """Whether the turn limit (the bundle's, or `max_turns`) ends a synthetic episode that its last step did not

@@ -33,7 +33,8 @@ Inference goes through `GenerationBackend.generate` (Hugging Face batched `gener
 OpenAI-compatible endpoint behind the same seam). `predict` never raises on bad model output: it retries unparsable
 replies (and rewards outside the configured range) with sampling, then falls back (see `fallback_prediction`) and
 counts it in `PredictionStats`. A stage then holds the run to a `FallbackBudget`: a simulator that mostly falls back
-is the state-unchanged baseline under another name, and the stage fails saying so.
+simulates nothing (each fallback keeps the state, or ends the episode with no outcome), and the stage fails saying
+so.
 """
 from __future__ import annotations
 

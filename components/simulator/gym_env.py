@@ -7,9 +7,11 @@
 
 Observations and actions are text. The task's instruction comes with the first state in `info["instruction"]` (and
 `info["task_id"]`); `options={"task_id": ...}` picks a task. Reward and termination are the experience model's;
-an episode is truncated at the bundle's turn limit (or `max_turns`), and at a step the model could not predict (its
-fallback: no parsable reply; `end_on_fallback=False` keeps it going on the unchanged state). `info` carries the
-fallback flag, the model's reasoning and the retrieved examples' ids.
+an episode is truncated at the bundle's turn limit (or `max_turns`), and, where the project's
+`experience_model.inference.fallback_ends_episode` was on (or `end_on_fallback=True`), at a step the model could not
+predict (its fallback: no parsable reply); otherwise such a step keeps the state and the episode goes on. `info`
+carries the fallback flag (and `env_failure`, why it ended an episode), the model's reasoning and the retrieved
+examples' ids.
 
 The id is registered when this module is imported: the `module:id` form above imports it for `gymnasium.make` (after
 `import components.simulator.gym_env`, "dreamgym/Simulator-v0" alone does).
@@ -53,7 +55,7 @@ class SimulatorEnv(gymnasium.Env):
 
     def __init__(self, bundle: str | Path, environment: str | None = None, max_turns: int | None = None,
                  backend: str | None = None, cache_dir: str | Path | None = None, render_mode: str | None = None,
-                 end_on_fallback: bool = True):
+                 end_on_fallback: bool | None = None):
         self.bundle = load_bundle(bundle)
         self.simulator = self.bundle.environment(environment, backend=backend, cache_dir=cache_dir,
                                                  end_on_fallback=end_on_fallback)
@@ -80,7 +82,8 @@ class SimulatorEnv(gymnasium.Env):
         failed = ENV_FAILURE in result.info  # the model's fallback ended it: truncated, not terminated
         truncated = failed or self.bundle.truncated(self.simulator.episode, self.max_turns)
         info = {"fallback": result.info["fallback"], "reasoning": result.info.get("reasoning", ""),
-                "retrieved": result.info.get("retrieved", []), "success": result.info.get("success", False)}
+                "retrieved": result.info.get("retrieved", []), "success": result.info.get("success", False),
+                "env_failure": result.info.get(ENV_FAILURE)}  # why it ended without an outcome, else None
         return self._last, float(result.reward), result.done and not failed, truncated, info
 
     def render(self) -> str | None:
