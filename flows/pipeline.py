@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,24 +35,42 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
 
 
+class CommandFailed(RuntimeError):
+    """A command that exited non-zero, with the DVC stage it was running (its last `Running stage` line) and why (its
+    last `error:` line, as `dreamgym` reports a failure, else its last line)."""
+
+    def __init__(self, command: list[str], returncode: int, stage: str | None, reason: str) -> None:
+        self.stage, self.reason = stage, reason
+        super().__init__(f"{' '.join(command)} exited {returncode}" + (f" in stage {stage}" if stage else "")
+                         + f": {reason} (its output is in the log above)")
+
+
 def run_logged(command: list[str], cwd: str | Path | None = None) -> None:
     """Run a command, streaming its output into the Prefect run log (progress lines show up in the UI). In another
-    checkout `cwd` it imports that checkout's code (dreamgym refuses to run one checkout's stages with another's)."""
+    checkout `cwd` it imports that checkout's code (dreamgym refuses to run one checkout's stages with another's).
+    A failure raises `CommandFailed`."""
     logger = get_run_logger()
     env = _env() if cwd is None else dict(_env(), PYTHONPATH=str(Path(cwd).resolve()))
     # errors="replace": a game engine may echo a byte that is not UTF-8 (dumb-frotz on a policy's odd command)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                errors="replace", env=env, cwd=cwd)
     assert process.stdout is not None
+    stage, error, last = None, None, ""
     try:
         for line in process.stdout:
-            logger.info(line.rstrip())
+            line = line.rstrip()
+            logger.info(line)
+            if found := re.match(r"Running stage '([^']+)'", line):
+                stage = found.group(1)
+            elif line.startswith("error: "):
+                error = line.removeprefix("error: ")
+            last = line.strip() or last
     except BaseException:  # the task stops: so does the command, or it would run on beside the next one
         process.kill()
         process.wait()
         raise
     if process.wait() != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}; its output is in the log above")
+        raise CommandFailed(command, process.returncode, stage, error or last)
 
 
 @task(task_run_name="dvc repro {stage}")

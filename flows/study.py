@@ -28,7 +28,7 @@ from components.data.contract import TRAJECTORIES
 from components.results import study
 from components.results.workspace import make_workspace, working_state
 from flows import deployments
-from flows.pipeline import PARAMS, onboard_collected_seed, reproduce, run_logged
+from flows.pipeline import PARAMS, CommandFailed, onboard_collected_seed, reproduce, run_logged
 from stages import sim_to_real
 from stages.common import StageError
 from stages.correction_rounds import round_path
@@ -93,6 +93,11 @@ def restore_unneeded_outputs(overrides: dict, target: str, cwd: str | Path) -> s
     return None if done.returncode == 0 else f"`dvc checkout {skipped}` failed, so the row runs {skipped} too: {why}"
 
 
+def results_folder(run_dir: Path, name: str) -> Path:
+    """The study's results folder, from a row's folder in it (`<environment>/<variant>-seed<k>`)."""
+    return run_dir.parents[len(Path(name).parts) - 1]
+
+
 def head_commit(cwd: str | Path = ".") -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd).stdout.strip()
 
@@ -135,6 +140,10 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
     started = time.monotonic()
     try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
         not_scored = run_row(name, overrides, target, measures_simulator)
+    except CommandFailed as error:  # kept: what the attempt cost and why it failed, for the plan to show
+        study.record_failure(results_folder(run_dir, name), {
+            **run_record(name, overrides, profile, started), "stage": error.stage, "reason": error.reason})
+        raise
     finally:
         Path(PARAMS).write_text(original, encoding="utf-8")
         PARAMS_BACKUP.unlink(missing_ok=True)
@@ -187,6 +196,11 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
         while not (run := client.read_flow_run(UUID(flow_run_id))).state.is_final():
             time.sleep(5)
     if not run.state.is_completed():
+        seconds = run.total_run_time.total_seconds() if run.total_run_time else None
+        study.record_failure(results_folder(run_dir, name), {"run": name, "commit": run.parameters.get("commit"),
+                                                             "profile": run.parameters.get("profile"),
+                                                             "seconds": seconds, "stage": None,
+                                                             "reason": f"{run.state.name}: {run.state.message}"})
         raise RuntimeError(f"{name}: its flow run {run.name} ended {run.state.name}: {run.state.message} (its log "
                            "is in the Prefect UI; the workspace is kept in the worker's .dvc/tmp/study_rows/)")
     study.keep_files(run_dir, run.state.result())

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -375,6 +376,45 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     kept = (results / "demo-kitchen" / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns
     results_study_flow()  # every run is kept: nothing reruns
     assert (results / "demo-kitchen" / "dreamgym-grpo-seed0" / "run.json").stat().st_mtime_ns == kept
+
+
+def test_a_row_that_fails_is_kept_with_the_stage_it_failed_in_why_and_what_it_cost(onboarded, monkeypatch,
+                                                                                   prefect_server):
+    """A command's failure names the DVC stage it was in and its `error:` line; a study row that fails is kept as a
+    failed attempt (what it cost, why) for the plan to show, and params.yaml is put back."""
+    import sys
+
+    from prefect import flow
+
+    from components.results.study import read_failures
+    from flows.pipeline import CommandFailed, run_logged
+    from flows.study import run_variant
+
+    script = "print(\"Running stage 'synthetic_rl':\"); print('error: over budget'); print('Traceback'); exit(3)"
+
+    @flow
+    def failing_command() -> None:
+        run_logged([sys.executable, "-c", script])
+
+    with pytest.raises(CommandFailed, match=r"exited 3 in stage synthetic_rl: over budget \(its output") as failed:
+        failing_command()
+    assert (failed.value.stage, failed.value.reason) == ("synthetic_rl", "over budget")
+
+    commit = commit_project(onboarded, monkeypatch)  # `dvc exp run` needs a commit
+    monkeypatch.chdir(onboarded)
+    params_before = (onboarded / "params.yaml").read_text()
+    name = "demo-kitchen/dreamgym-grpo-seed0"
+
+    @flow
+    def failing_row() -> None:  # a real `dvc exp run` of a stage dvc.yaml does not have
+        run_variant(name, {"seed": 0}, Path("results") / name, "no_such_stage")
+
+    with pytest.raises(CommandFailed):
+        failing_row()
+    [attempt] = read_failures("results")[name]
+    assert attempt["commit"] == commit and attempt["stage"] is None and "no_such_stage" in attempt["reason"]
+    assert attempt["seconds"] > 0 and attempt["params_set"] == {"seed": 0}
+    assert (onboarded / "params.yaml").read_text() == params_before and not (onboarded / "results" / name).exists()
 
 
 def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_the_projects_cache(onboarded, tmp_path,

@@ -20,6 +20,8 @@ from components.results.study import (
     paired_games,
     plan,
     plan_status,
+    read_failures,
+    record_failure,
     report,
     run_budget,
     run_overrides,
@@ -241,6 +243,32 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
            "where DVC's run cache trains the warm start once for all its rows and the experience model once for the " \
            "rows that set the same experience_model params." in report(
                results, 0.95, ("grpo",), together, "cpu")[1]
+
+
+def test_a_rows_failed_attempts_are_kept_and_the_plan_says_what_they_cost_and_why(tmp_path):
+    """A row that could not run says why and what its attempts cost: the study keeps each failed attempt
+    (`record_failure`, flows.study.run_variant), and the plan and the report's total show them."""
+    tw, row = "textworld-cooking", "textworld-cooking/dreamgym-grpo-seed0"
+    results = tmp_path / "results"
+    planned = plan(_cpu_study(seeds=[0], variants=["dreamgym-grpo"], environments=[tw]), 28)
+    assert read_failures(results) == {}
+    reason = "synthetic_rl: the experience model is over its failure budget: it fell back on 12 of 21 predictions"
+    record_failure(results, {"run": row, "commit": "ae7f53f0" + "0" * 32, "profile": "cpu", "seconds": 600.0,
+                             "stage": "train_experience_model", "reason": "killed"})
+    record_failure(results, {"run": row, "commit": "1d3e4520" + "0" * 32, "profile": "cpu", "seconds": 1052.0,
+                             "stage": "synthetic_rl", "reason": reason})
+    assert [a["stage"] for a in read_failures(results)[row]] == ["train_experience_model", "synthetic_rl"]
+
+    _, text = report(results, 0.95, ("grpo",), planned, "cpu")
+
+    # dreamgym's error names the stage first: the table names it once
+    assert f"| {row} | not run yet; 2 failed attempts (28 min); the last, at 1d3e4520, in synthetic_rl: " \
+           f"{reason.removeprefix('synthetic_rl: ')} |" in text
+    assert "from 0 finished runs in" in text and "0.0 h of runs; and 0.5 h in 2 failed attempts, listed under " \
+        "Planned runs" in text
+    long = "x" * 300  # a long reason is cut in the table (the file keeps it whole)
+    record_failure(results, {"run": row, "seconds": 60.0, "stage": None, "reason": long})
+    assert f"in an unknown stage: {'x' * 240}... |" in report(results, 0.95, ("grpo",), planned, "cpu")[1]
 
 
 def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_shows_its_false_wins(tmp_path):

@@ -26,6 +26,7 @@ from statistics import NormalDist
 from typing import Any
 
 from components.config import ParamsError
+from components.data.contract import read_records
 from components.files import atomic_directory
 from components.reports import (
     GAMES_FILE,
@@ -172,6 +173,7 @@ SIMULATOR_FILE = "evaluate_experience_model.json"  # kept from a run that scored
 CORRECTION_FILE = "correction_rounds.json"
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
+FAILURES_FILE = "failed_attempts.jsonl"  # in the results folder: each failed attempt at a row, a line
 
 
 def select_variants(algorithm_names: tuple[str, ...], names: list[str] | tuple[str, ...] = ()) -> list[Variant]:
@@ -275,6 +277,24 @@ def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = "."
     it)."""
     return keep_files(run_dir, {**run_files(root, evaluated_in, simulator),
                                 RUN_RECORD: json.dumps(record, indent=2, sort_keys=True) + "\n"})
+
+
+def record_failure(results_dir: str | Path, record: dict[str, Any]) -> None:
+    """Append a failed attempt at a row (run, profile, commit, seconds, the stage it failed in, why) to the results
+    folder's FAILURES_FILE: what a row that could not run cost, and why, for the plan to show."""
+    path = Path(results_dir) / FAILURES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_failures(results_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """The failed attempts `record_failure` kept, by row name, oldest first."""
+    path = Path(results_dir) / FAILURES_FILE
+    found: dict[str, list[dict[str, Any]]] = {}
+    for record in read_records(path) if path.is_file() else []:
+        found.setdefault(record["run"], []).append(record)
+    return found
 
 
 def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None, simulator: bool = False
@@ -859,16 +879,18 @@ class RowStatus:
     costed_by: str | None = None  # the look-alike variant whose runs give the estimate (Variant.costs_like)
     uninformative: bool = False  # not run: the finished runs show it would tell nothing (`uninformative`)
     shared: dict[str, float] | None = None  # minutes of the estimate in stages other rows can share, by stage
+    failed: str = ""  # not finished: its failed attempts (`record_failure`), the last one's stage and why
 
     @property
     def to_run(self) -> bool:
         return self.status == "not run yet"
 
 
-def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "custom") -> list[RowStatus]:
+def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "custom",
+                failures: dict[str, list[dict[str, Any]]] | None = None) -> list[RowStatus]:
     """Every run the study plans: finished (its wall time), kept with other params than the plan's (`is_finished`
     refuses it), or not run (why, or what it would cost by the finished runs of its variant on its environment, and
-    the command that runs it alone)."""
+    the command that runs it alone; and its failed attempts, `failures`: `read_failures`)."""
     kept = {run.name: run for run in runs}
     status: dict[str, str] = {}  # row -> "finished" or why the run kept under its name is not this row's
     for row in planned:
@@ -905,13 +927,25 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             parts = shared.get(group, [None])
             in_shared = None if not measured or None in parts else {
                 stage: _mean([part[stage] for part in parts if part is not None]) for stage in parts[0] or {}}
+            tried = _failed_attempts((failures or {}).get(row.name, []))
             if reason := uninformative(row, runs):
                 found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway",
-                                       uninformative=True))
+                                       uninformative=True, failed=tried))
             else:
                 found.append(RowStatus(row, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`",
-                                       _mean(measured) if measured else None, like, shared=in_shared))
+                                       _mean(measured) if measured else None, like, shared=in_shared, failed=tried))
     return found
+
+
+def _failed_attempts(attempts: list[dict[str, Any]]) -> str:
+    """A row's failed attempts in a few words: how many, their minutes, and where and why the last one failed."""
+    if not attempts:
+        return ""
+    last, minutes = attempts[-1], sum(a.get("seconds") or 0.0 for a in attempts) / 60
+    why = last.get("reason", "").removeprefix(f"{last.get('stage')}: ")  # dreamgym's errors start with the stage
+    return (f"{len(attempts)} failed attempt{'s' * (len(attempts) > 1)} ({minutes:.0f} min); the last, at "
+            f"{str(last.get('commit', '?'))[:8]}, in {last.get('stage') or 'an unknown stage'}: "
+            f"{why[:240] + '...' if len(why) > 240 else why}")
 
 
 EXPERIENCE_STAGE = UPSTREAM_FILES[0].removesuffix(".json")  # trained again by a row that sets experience_model params
@@ -953,7 +987,8 @@ def plan_table(statuses: list[RowStatus]) -> str:
                "kept it, else their wall time, so the total is what the rows cost on fresh machines. Each command runs "
                f"that row alone; `{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
     return total + markdown_table(["row", "status", "minutes (finished: wall time; else estimate)", "command"],
-                                  [[s.row.name, s.status, s.minutes, s.command] for s in statuses])
+                                  [[s.row.name, s.status + (f"; {s.failed}" if s.failed else ""), s.minutes,
+                                    s.command] for s in statuses])
 
 
 def untested_reasons(statuses: list[RowStatus]) -> dict[tuple[str, str], str]:
@@ -1056,14 +1091,18 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     others = {kept for kept in profiles.values() if not same_study(kept, profile)}
     metrics, table = aggregate(runs, confidence)
     found = comparisons(metrics, algorithm_names, paired_games(runs), confidence)
-    statuses = plan_status(planned, runs, profile) if planned and not others else None
+    failures = read_failures(results_dir)
+    statuses = plan_status(planned, runs, profile, failures) if planned and not others else None
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
     scratch = [run.from_scratch_seconds for run in runs if run.from_scratch_seconds is not None]
+    attempts = [a for tried in failures.values() for a in tried]
     hours_text = f"{hours:.1f} h of runs" + (
         f" as they ran; {sum(scratch) / 3600:.1f} h from scratch, summed over the {len(scratch)} that kept their "
-        "stages' times" if scratch else "")
+        "stages' times" if scratch else "") + (
+        f"; and {sum(a.get('seconds') or 0.0 for a in attempts) / 3600:.1f} h in {len(attempts)} failed attempt"
+        f"{'s' * (len(attempts) > 1)}, listed under Planned runs" if attempts else "")
     text = (f"# Results study\n\nHeld-out real-environment success per method, pooled over seeds (Wilson "
             f"intervals), from {len(runs)} finished runs in `{results_dir}/` ({hours_text}, profile "
             f"{', '.join(sorted(set(profiles.values()))) or '-'}). An environment "
