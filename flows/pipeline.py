@@ -37,7 +37,7 @@ def _env() -> dict[str, str]:
 
 class CommandFailed(RuntimeError):
     """A command that exited non-zero, with the DVC stage it was running (its last `Running stage` line) and why (its
-    last `error:` line, as `dreamgym` reports a failure, else its last line)."""
+    last `error:` line, as `dreamgym` reports a failure; else DVC's last `ERROR:` line; else its last line)."""
 
     def __init__(self, command: list[str], returncode: int, stage: str | None, reason: str) -> None:
         self.stage, self.reason = stage, reason
@@ -55,7 +55,7 @@ def run_logged(command: list[str], cwd: str | Path | None = None) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                errors="replace", env=env, cwd=cwd)
     assert process.stdout is not None
-    stage, error, last = None, None, ""
+    stage, error, dvc_error, last = None, None, None, ""
     try:
         for line in process.stdout:
             line = line.rstrip()
@@ -64,13 +64,15 @@ def run_logged(command: list[str], cwd: str | Path | None = None) -> None:
                 stage = found.group(1)
             elif line.startswith("error: "):
                 error = line.removeprefix("error: ")
+            elif line.startswith("ERROR: "):  # DVC's, after the stage's own error where there is one
+                dvc_error = line.removeprefix("ERROR: ")
             last = line.strip() or last
     except BaseException:  # the task stops: so does the command, or it would run on beside the next one
         process.kill()
         process.wait()
         raise
     if process.wait() != 0:
-        raise CommandFailed(command, process.returncode, stage, error or last)
+        raise CommandFailed(command, process.returncode, stage, error or dvc_error or last)
 
 
 @task(task_run_name="dvc repro {stage}")

@@ -99,7 +99,9 @@ def results_folder(run_dir: Path, name: str) -> Path:
 
 
 def head_commit(cwd: str | Path = ".") -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd).stdout.strip()
+    """HEAD's hash; "" in a repository with no commit (where `git rev-parse` prints "HEAD" back)."""
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd)
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def run_record(name: str, overrides: dict, profile: str, started: float, cwd: str | Path = ".",

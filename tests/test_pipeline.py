@@ -504,7 +504,9 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
 
     readme = (project / "reports" / "results_study" / "README.md").read_text()
     assert "from 0 finished runs" in readme and "0 of 2 planned runs finished; 2 to run" in readme
-    assert "| textworld-cooking/no-curriculum-seed0 | not run yet | not measured yet | `dreamgym study run " \
+    # each failed attempt is kept with DVC's reason, and the plan says so
+    assert "| textworld-cooking/no-curriculum-seed0 | not run yet; 1 failed attempt (0 min); the last, at ?, in an " \
+           "unknown stage: unexpected error - Empty git repo | not measured yet | `dreamgym study run " \
            "textworld-cooking/no-curriculum-seed0` |" in readme
     assert [t.source for t in read_trajectories(project / "data" / "trajectories.jsonl")] == ["expert", "random"]
     assert (project / "params.yaml").read_text() == params_before  # the killed run's overrides are gone

@@ -944,7 +944,7 @@ def _failed_attempts(attempts: list[dict[str, Any]]) -> str:
     last, minutes = attempts[-1], sum(a.get("seconds") or 0.0 for a in attempts) / 60
     why = last.get("reason", "").removeprefix(f"{last.get('stage')}: ")  # dreamgym's errors start with the stage
     return (f"{len(attempts)} failed attempt{'s' * (len(attempts) > 1)} ({minutes:.0f} min); the last, at "
-            f"{str(last.get('commit', '?'))[:8]}, in {last.get('stage') or 'an unknown stage'}: "
+            f"{(last.get('commit') or '?')[:8]}, in {last.get('stage') or 'an unknown stage'}: "
             f"{why[:240] + '...' if len(why) > 240 else why}")
 
 
