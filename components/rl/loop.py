@@ -224,10 +224,11 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
     fields = None
     if main:
         started = time.monotonic()
-        added = add_to_buffer(buffer, [e.trajectory for e in trainable(episodes)]) if buffer is not None else 0
+        counted = trainable(episodes)
+        added = add_to_buffer(buffer, [e.trajectory for e in counted]) if buffer is not None else 0
         buffer_seconds, started = time.monotonic() - started, time.monotonic()
-        curriculum.observe([e.task for e in trainable(episodes)], [e.return_ for e in trainable(episodes)])
-        curriculum.observe_failures([e.task for e in episodes if e not in trainable(episodes)])
+        curriculum.observe([e.task for e in counted], [e.return_ for e in counted])
+        curriculum.observe_failures([e.task for e in episodes if e.env_failure is not None])
         if generator is not None:
             curriculum.propose(generator, iteration + 1)
         fields = {"env_transitions": sum(len(e.trajectory.steps) for e in episodes), "synthetic_transitions": added,
