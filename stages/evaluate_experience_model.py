@@ -4,8 +4,11 @@ held-out evaluation games (the states a policy reaches; they only measure). Unde
 its share of the transitions and plays its share of the games; the main process scores them all and writes."""
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from components.builders import (
 from components.config import Params
 from components.data.contract import Transition, transitions, write_records
 from components.envs.registry import has_adapter, real_environment
+from components.files import directory_sha256
 from components.llm import sft
 from components.reports import write_stage_outputs
 from components.results.evaluation import evaluate_policy
@@ -29,6 +33,7 @@ from components.simulator import fidelity
 
 PREDICTIONS_FILE = "reports/evaluate_experience_model_predictions.jsonl"  # each prediction beside its gold transition
 ON_POLICY_FILE = "reports/evaluate_experience_model_on_policy.jsonl"  # the same, on the warm start's held-out play
+JOURNALS = ".cache/evaluate_experience_model"  # the warm start's games played so far: a rerun resumes them
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -62,6 +67,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                          f"{PREDICTIONS_FILE}, {ON_POLICY_FILE})", settings.inference.max_new_tokens)
     write_stage_outputs("evaluate_experience_model", metrics,
                         report(params, metrics, results, on_policy_results, stats), root)
+    shutil.rmtree(root / JOURNALS, ignore_errors=True)
     return metrics
 
 
@@ -101,15 +107,19 @@ def on_policy_transitions(params: Params, root: Path) -> tuple[list[Transition],
     if not games or not names or not sft.has_trained_model(model_dir):
         return [], 0
     model, tokenizer = sft.load_trained_model(model_dir)
+    fmt = policy_format(params)
+    identity = json.dumps([directory_sha256(model_dir), asdict(fmt), params.policy.max_action_tokens, temperature,
+                           params.seed])
     played, count = [], 0
     for name in names:
         kind = real_environment(name)
         tasks = kind.make_tasks(params.environments, "heldout", games, params.seed)
         result = evaluate_policy(kind, params.environments, tasks,
-                                 policy.policy_factory(model, tokenizer, policy_format(params),
-                                                       params.policy.max_action_tokens, temperature, params.seed),
+                                 policy.policy_factory(model, tokenizer, fmt, params.policy.max_action_tokens,
+                                                       temperature, params.seed),
                                  workers=params.evaluate.workers, confidence=params.evaluate.confidence,
-                                 name="policy", max_steps=params.policy.max_turns)
+                                 name="policy", max_steps=params.policy.max_turns,
+                                 journal=root / JOURNALS / f"{name}.jsonl", policy_identity=identity)
         played += [t for trajectory in result.trajectories for t in transitions(trajectory)]
         count += len(tasks)
     return played, count

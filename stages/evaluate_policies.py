@@ -1,6 +1,9 @@
 """evaluate_policies: the warm start, the synthetic-RL and the sim-to-real policies on held-out tasks."""
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from components.builders import (
 from components.config import Params
 from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories, write_trajectories
 from components.envs.registry import has_adapter, real_environment
+from components.files import directory_sha256
 from components.llm import sft
 from components.llm.backends import HFGenerationBackend
 from components.reports import GAMES_FILE, markdown_table, write_csv, write_stage_outputs
@@ -36,6 +40,7 @@ from components.rl.rollouts import SyntheticBatch
 from components.simulator.synthetic import episodes_from_buffer, first_state_tasks
 
 EPISODES_FILE = "reports/evaluate_policies_episodes.jsonl"  # every episode played, to replay failures
+JOURNALS = ".cache/evaluate_policies"  # the games played so far, per policy and environment: a rerun resumes them
 
 
 def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
@@ -68,6 +73,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     for label, model_dir in candidates.items():
         key = label.replace(" ", "_")  # the policy's name in the metrics and the games file
         model, tokenizer = sft.load_trained_model(model_dir)
+        identity = json.dumps([directory_sha256(model_dir), asdict(fmt), params.policy.max_action_tokens])
         entry: dict[str, Any] = {}
         if heldout and main:
             entry["next_action"] = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,
@@ -76,7 +82,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
             result = evaluate_policy(real_environment(name), params.environments, tasks[name],
                                      policy.policy_factory(model, tokenizer, fmt, params.policy.max_action_tokens),
                                      workers=params.evaluate.workers, confidence=params.evaluate.confidence,
-                                     name=label.replace(" ", "-"), max_steps=params.policy.max_turns)
+                                     name=label.replace(" ", "-"), max_steps=params.policy.max_turns,
+                                     journal=root / JOURNALS / f"{key}-{name}.jsonl", policy_identity=identity)
             entry[name] = result.metrics()
             episodes += result.trajectories
             games += result.games(key)
@@ -117,6 +124,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     write_trajectories(episodes, root / EPISODES_FILE)
     write_csv(games, root / GAMES_FILE)
     write_stage_outputs("evaluate_policies", metrics, text, root)
+    shutil.rmtree(root / JOURNALS, ignore_errors=True)
     return metrics
 
 

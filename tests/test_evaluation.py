@@ -192,6 +192,65 @@ def test_an_engine_that_dies_mid_episode_is_counted_apart_not_as_a_loss(textworl
     assert not engine_children()
 
 
+def test_a_stopped_evaluation_resumes_from_its_journal_playing_only_the_games_it_lacks(textworld, tmp_path) -> None:
+    """A crash in the third game keeps the first two; the rerun plays the last two and returns what one unbroken
+    run would. A journal of another policy (or settings) is discarded, never mixed in."""
+    kind, params, tasks = textworld
+    journal, played = tmp_path / "journals" / "expert.jsonl", []
+
+    def make_policy(crash_on: str | None):
+        def make(env):
+            expert = kind.expert(env)
+
+            def act(task, observation, history):
+                if not history:
+                    played.append(task.task_id)
+                if task.task_id == crash_on:
+                    raise RuntimeError("the machine went away")
+                return expert(task, observation, history)
+            return act
+        return make
+
+    def evaluate(crash_on: str | None = None, identity: str = "expert v1", progress=None) -> EvaluationResult:
+        return evaluate_policy(kind, params.environments, tasks, make_policy(crash_on), workers=1, confidence=0.95,
+                               name="expert", progress=progress, journal=journal, policy_identity=identity)
+
+    with pytest.raises(RuntimeError, match="went away"):
+        evaluate(crash_on=tasks[2].task_id)
+    assert played == [t.task_id for t in tasks[:3]]
+    assert [json.loads(line)["trajectory"]["task"]["task_id"] for line in journal.read_text().splitlines()] \
+        == [t.task_id for t in tasks[:2]]
+
+    played.clear()
+    lines: list[str] = []
+    resumed = evaluate(progress=lines.append)
+    assert played == [t.task_id for t in tasks[2:]]
+    assert "resuming: 2 of 4 games played before" in lines[0] and "4/4 episodes" in lines[-1]
+    check_result(resumed, tasks)
+    unbroken = evaluate_policy(kind, params.environments, tasks, kind.expert, workers=2, confidence=0.95,
+                               name="expert", progress=None)
+    assert resumed.games("expert") == unbroken.games("expert") and resumed.successes == 4
+    assert resumed.wall_s >= max(json.loads(line)["wall_s"] for line in journal.read_text().splitlines())
+
+    played.clear()
+    evaluate(identity="expert v2")  # another policy: every game again
+    assert played == [t.task_id for t in tasks]
+    assert not engine_children()
+
+
+def test_a_journal_line_a_crash_cut_short_is_dropped_and_the_next_append_starts_clean(tmp_path) -> None:
+    from components.data.contract import append_records, read_journal
+
+    journal = tmp_path / "games.jsonl"
+    assert read_journal(journal) == []
+    append_records([{"game": 1}, {"game": 2}], journal)
+    with journal.open("a") as out:
+        out.write('{"game": 3, "steps": [')  # the crash
+    assert read_journal(journal) == [{"game": 1}, {"game": 2}]
+    append_records([{"game": 3}], journal)
+    assert read_journal(journal) == [{"game": 1}, {"game": 2}, {"game": 3}]
+
+
 def test_an_environment_that_fails_every_episode_stops_the_evaluation(textworld, monkeypatch) -> None:
     """Engines that never start in time: every reset fails. That is a broken environment, not a result of 0 of 0."""
     import components.envs.textworld_cooking as tw

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.data.contract import Trajectory, write_trajectories
+from components.data.contract import Trajectory, append_records, read_journal, write_trajectories
 from components.envs.base import check_not_all_failed, env_failure
 from components.envs.episode import run_episode
 from components.envs.registry import has_adapter, real_environment
@@ -64,36 +64,34 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
     start, fresh = time.monotonic(), 0
     env = kind.open(params.environments)
     try:
-        with progress_path.open("a", encoding="utf-8") as progress:
-            for number, (task, policy_name, repeat) in enumerate(plan, start=1):
-                trajectory_id = f"{task.task_id}-{policy_name}-{repeat}"
-                if trajectory_id in done:
-                    continue
-                for attempt in range(1, ENV_FAILURE_ATTEMPTS + 1):
-                    # Seeded per episode, not per run or attempt: a resumed run, or a retry after an environment
-                    # failure, makes the same choices as an unbroken run.
-                    rng = random.Random(zlib.crc32(f"{params.seed}/{trajectory_id}".encode()))
-                    policy = {"expert": lambda: kind.expert(env),
-                              "noisy_expert": lambda: kind.noisy_expert(env, settings.noisy_epsilon, rng),
-                              "skipping_expert": lambda: kind.skipping_expert(env, rng),
-                              "random": lambda: kind.random(env, rng)}[policy_name]()
-                    trajectory = run_episode(env, task, policy, max_steps=kind.max_steps(params.environments),
-                                             trajectory_id=trajectory_id, source=SOURCE_OF[policy_name])
-                    if (why := env_failure(trajectory)) is None:
-                        break
-                    failures.append(trajectory)
-                    log(f"[collect_seed {environment}] {trajectory_id}: environment failure ({why}); "
-                        + ("playing it again" if attempt < ENV_FAILURE_ATTEMPTS else f"left out after {attempt}"))
-                else:
-                    left_out.append(trajectory_id)
-                    continue
-                progress.write(json.dumps(trajectory.to_dict()) + "\n")
-                progress.flush()
-                done[trajectory_id] = trajectory
-                fresh += 1
-                eta = (time.monotonic() - start) / fresh * (len(plan) - number)
-                wins = sum(t.success for t in done.values())
-                log(f"[collect_seed {environment}] {number}/{len(plan)} episodes, {wins} successes, ETA {eta:.0f}s")
+        for number, (task, policy_name, repeat) in enumerate(plan, start=1):
+            trajectory_id = f"{task.task_id}-{policy_name}-{repeat}"
+            if trajectory_id in done:
+                continue
+            for attempt in range(1, ENV_FAILURE_ATTEMPTS + 1):
+                # Seeded per episode, not per run or attempt: a resumed run, or a retry after an environment
+                # failure, makes the same choices as an unbroken run.
+                rng = random.Random(zlib.crc32(f"{params.seed}/{trajectory_id}".encode()))
+                policy = {"expert": lambda: kind.expert(env),
+                          "noisy_expert": lambda: kind.noisy_expert(env, settings.noisy_epsilon, rng),
+                          "skipping_expert": lambda: kind.skipping_expert(env, rng),
+                          "random": lambda: kind.random(env, rng)}[policy_name]()
+                trajectory = run_episode(env, task, policy, max_steps=kind.max_steps(params.environments),
+                                         trajectory_id=trajectory_id, source=SOURCE_OF[policy_name])
+                if (why := env_failure(trajectory)) is None:
+                    break
+                failures.append(trajectory)
+                log(f"[collect_seed {environment}] {trajectory_id}: environment failure ({why}); "
+                    + ("playing it again" if attempt < ENV_FAILURE_ATTEMPTS else f"left out after {attempt}"))
+            else:
+                left_out.append(trajectory_id)
+                continue
+            append_records([trajectory.to_dict()], progress_path)
+            done[trajectory_id] = trajectory
+            fresh += 1
+            eta = (time.monotonic() - start) / fresh * (len(plan) - number)
+            wins = sum(t.success for t in done.values())
+            log(f"[collect_seed {environment}] {number}/{len(plan)} episodes, {wins} successes, ETA {eta:.0f}s")
     finally:
         env.close()
     kept_aside = env_failures_path(out_path)
@@ -112,8 +110,7 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
 
 
 def _fingerprint(params) -> str:
-    code = Path(__file__).parent
-    sources = [code / "collection.py", *sorted((code / "environments").glob("*.py"))]
+    sources = [Path(__file__), *sorted((Path(__file__).parents[1] / "envs").glob("*.py"))]
     payload = json.dumps([params.seed, params.environments.model_dump(), params.collect_seed.model_dump(),
                           [sha256_file(source) for source in sources]], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -121,18 +118,7 @@ def _fingerprint(params) -> str:
 
 def _load_progress(path: Path, fingerprint: str) -> dict[str, Trajectory]:
     discard_unless_stamped(path, fingerprint, path.with_suffix(".fingerprint"))  # another collection's episodes
-    if not path.exists():
-        return {}
-    done = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            trajectory = Trajectory.from_dict(json.loads(line))
-        except (json.JSONDecodeError, KeyError):
-            break  # a line cut short by the crash: that episode runs again
-        done[trajectory.trajectory_id] = trajectory
-    # Keep only whole lines, so the episodes appended next do not follow a torn one.
-    path.write_text("".join(json.dumps(t.to_dict()) + "\n" for t in done.values()), encoding="utf-8")
-    return done
+    return {t.trajectory_id: t for t in map(Trajectory.from_dict, read_journal(path))}
 
 
 def collectable(environments: list[str]) -> tuple[list[str], list[str]]:

@@ -230,6 +230,40 @@ def write_records(records: Iterable[dict[str, Any]], path: str | Path) -> None:
     partial.replace(path)
 
 
+def append_records(records: Iterable[dict[str, Any]], path: str | Path) -> None:
+    """Append records to a JSONL journal of finished work, flushed: a crash loses at most the line being written
+    (`read_journal` drops it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        out.flush()
+
+
+def read_journal(path: str | Path) -> list[dict[str, Any]]:
+    """The whole records of a JSONL journal (`append_records`), [] when there is none. A line a crash cut short,
+    and whatever follows it, is dropped from the file too, so the next append starts on a clean line."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records, kept = [], 0
+    with path.open("rb") as lines:
+        for line in lines:
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no line end")
+                if line.strip():
+                    records.append(json.loads(line))
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                break
+            kept += len(line)
+    if kept < path.stat().st_size:
+        with path.open("r+b") as out:
+            out.truncate(kept)
+    return records
+
+
 PARQUET_SCHEMA = pa.schema([
     ("trajectory_id", pa.string()),
     ("task", pa.struct([("task_id", pa.string()), ("environment", pa.string()), ("instruction", pa.string()),

@@ -5,13 +5,13 @@ Rows are appended to a JSONL file as each task finishes, so a cut run goes on wh
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from components.data.contract import append_records, read_journal
 from components.envs.base import env_failure
 from components.envs.episode import run_episode
 from components.envs.miniwob import HTML_DIR, SOLVERS, MiniWoB, expert_policy, make_tasks, random_policy
@@ -76,15 +76,13 @@ def _short(problem: BaseException | str) -> str:
 def run_coverage(rows_file: Path, names: Sequence[str], *, episodes: int, max_steps: int, step_timeout_s: float,
                  seed: int = 0, progress: Callable[[str], None] = print) -> list[TaskCoverage]:
     """Every task's row, measuring only those `rows_file` does not hold yet (each appended when done)."""
-    rows_file.parent.mkdir(parents=True, exist_ok=True)
     done = {row.task: row for row in read_rows(rows_file)}
     todo = [name for name in names if name not in done]
     started = time.monotonic()
     with MiniWoB(step_timeout_s=step_timeout_s, episode_time_limit_s=EPISODE_TIME_LIMIT_S) as env:
         for index, name in enumerate(todo, 1):
             row = measure_task(env, name, episodes=episodes, max_steps=max_steps, seed=seed)
-            with rows_file.open("a", encoding="utf-8") as out:
-                out.write(json.dumps(asdict(row)) + "\n")
+            append_records([asdict(row)], rows_file)
             done[name] = row
             elapsed = time.monotonic() - started
             progress(f"[coverage miniwob] {index}/{len(todo)} {name}: shown {row.shown}/{row.interactive}, "
@@ -94,9 +92,7 @@ def run_coverage(rows_file: Path, names: Sequence[str], *, episodes: int, max_st
 
 
 def read_rows(rows_file: Path) -> list[TaskCoverage]:
-    if not rows_file.is_file():
-        return []
-    return [TaskCoverage(**json.loads(line)) for line in rows_file.read_text(encoding="utf-8").splitlines() if line]
+    return [TaskCoverage(**record) for record in read_journal(rows_file)]
 
 
 def coverage_markdown(rows: Sequence[TaskCoverage], *, episodes: int, max_steps: int) -> str:

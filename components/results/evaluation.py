@@ -8,6 +8,7 @@ ended (a hung or dead engine or browser: `base.env_failure`) are not the policy'
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -15,14 +16,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from components import distributed
 from components.config import EnvironmentsParams, Params
-from components.data.contract import SOURCES, Task, Trajectory
+from components.data.contract import SOURCES, Task, Trajectory, append_records, read_journal
 from components.envs.base import Environment, Observation, Policy, check_not_all_failed, env_failure
 from components.envs.episode import run_episode
 from components.envs.registry import RealEnvironment, has_adapter, real_environment
+from components.files import discard_unless_stamped, sha256_file
 from components.reports import markdown_table
 from components.stats import wilson_interval
 
@@ -71,7 +74,8 @@ class EvaluationResult:
 
 def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task],
                     make_policy: Callable[[Environment], Policy], *, workers: int, confidence: float, name: str,
-                    progress: Callable[[str], None] | None = print, max_steps: int | None = None) -> EvaluationResult:
+                    progress: Callable[[str], None] | None = print, max_steps: int | None = None,
+                    journal: Path | None = None, policy_identity: str = "") -> EvaluationResult:
     """Play every task once with a fresh policy from `make_policy(env)`, `workers` environments in parallel.
 
     Each worker thread opens its own environment and takes the next unplayed task until none is left; results
@@ -83,6 +87,11 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     Under a launcher every process calls it and plays its share of the tasks (`workers` environments each); every
     process gets the whole result, the same as one process's (a policy that plays a task the same wherever it plays
     it, as greedy and task-seeded ones do). Only the main process reports progress, on its share.
+
+    With `journal` (a JSONL file), each finished game is appended to it, and a later call with the same tasks,
+    settings, code and `policy_identity` (what makes the policy play as it does: a model's content digest) plays
+    only the games it lacks: a crash or a stop loses the games in flight, not the finished ones. Wall time counts
+    every call's. The journal of anything else is discarded; the caller deletes it once the result is safe.
     """
     max_steps = max_steps or kind.max_steps(env_params)
     source = name if name in SOURCES else "policy"
@@ -90,13 +99,30 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     offset, tasks = share.start, tasks[share.start:share.stop]  # this process's share (one process: all)
     if not distributed.is_main_process():
         progress = None
+    ids = [f"eval-{name}-{offset + index:05d}-{task.task_id}" for index, task in enumerate(tasks)]
     trajectories: list[Trajectory | None] = [None] * len(tasks)
+    earlier_s = 0.0  # the wall time of the calls whose games the journal holds
+    if journal is not None:
+        if distributed.world_size() > 1:
+            journal = journal.with_name(f"{journal.stem}.rank{distributed.rank()}{journal.suffix}")
+        fingerprint = journal_fingerprint(kind, env_params, tasks, ids, max_steps, policy_identity)
+        discard_unless_stamped(journal, fingerprint, journal.with_suffix(".fingerprint"))
+        position = {trajectory_id: index for index, trajectory_id in enumerate(ids)}
+        for record in read_journal(journal):
+            trajectories[position[record["trajectory"]["trajectory_id"]]] = Trajectory.from_dict(record["trajectory"])
+            earlier_s = max(earlier_s, record["wall_s"])
+    todo = [index for index, trajectory in enumerate(trajectories) if trajectory is None]
     lock = threading.Lock()
     stop = threading.Event()
     errors: list[BaseException] = []
     environments: list[Environment] = []
-    state = {"next": 0, "done": 0, "successes": 0, "env_failures": 0, "printed": -math.inf}
+    resumed = [t for t in trajectories if t is not None]
+    state = {"next": 0, "done": len(resumed), "successes": sum(t.success for t in resumed),
+             "env_failures": sum(env_failure(t) is not None for t in resumed), "printed": -math.inf}
     started = time.monotonic()
+    if resumed and progress is not None:
+        progress(f"[evaluate {kind.name} / {name}] resuming: {len(resumed)} of {len(tasks)} games played before "
+                 f"(in {earlier_s:.0f} s), kept in {journal}")
 
     def report() -> None:  # called with the lock held
         done, now = state["done"], time.monotonic()
@@ -104,13 +130,13 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
             return
         state["printed"] = now
         elapsed = now - started
-        eta = elapsed / done * (len(tasks) - done)
+        eta = elapsed / (done - len(resumed)) * (len(tasks) - done)
         counted, failures = done - state["env_failures"], state["env_failures"]
         of = f" (this process's share of {total})" if len(tasks) < total else ""
         progress(f"[evaluate {kind.name} / {name}] {done}/{len(tasks)} episodes{of}, "
                  f"success {state['successes'] / counted if counted else 0.0:.2f}"
                  + (f" ({failures} environment failures excluded)" if failures else "")
-                 + f", elapsed {elapsed:.0f} s, ETA {eta:.0f} s")
+                 + f", elapsed {earlier_s + elapsed:.0f} s, ETA {eta:.0f} s")
 
     def work() -> None:
         env: Environment | None = None
@@ -120,15 +146,18 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
                 environments.append(env)
             while not stop.is_set():
                 with lock:
-                    index = state["next"]
+                    next_todo = state["next"]
                     state["next"] += 1
-                if index >= len(tasks):
+                if next_todo >= len(todo):
                     return
+                index = todo[next_todo]
                 trajectory = run_episode(env, tasks[index], make_policy(env), max_steps=max_steps,
-                                         trajectory_id=f"eval-{name}-{offset + index:05d}-{tasks[index].task_id}",
-                                         source=source)
+                                         trajectory_id=ids[index], source=source)
                 with lock:
                     trajectories[index] = trajectory
+                    if journal is not None:
+                        append_records([{"trajectory": trajectory.to_dict(),
+                                         "wall_s": earlier_s + time.monotonic() - started}], journal)
                     state["done"] += 1
                     state["successes"] += trajectory.success
                     state["env_failures"] += env_failure(trajectory) is not None
@@ -143,7 +172,7 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
 
     # daemon: a second Ctrl-C while we wait below must still let the interpreter exit (atexit closes engines)
     threads = [threading.Thread(target=work, name=f"evaluate-{index}", daemon=True)
-               for index in range(max(0, min(workers, len(tasks))))]
+               for index in range(max(0, min(workers, len(todo))))]
     for thread in threads:
         thread.start()
     try:
@@ -161,11 +190,23 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
         raise
     if errors:
         raise errors[0]
-    shares = distributed.all_gather(([t for t in trajectories if t is not None], time.monotonic() - started))
+    shares = distributed.all_gather(([t for t in trajectories if t is not None],
+                                     earlier_s + time.monotonic() - started))
     result = summarize(kind.name, name, [t for played, _ in shares for t in played], confidence,
                        max(seconds for _, seconds in shares))
     check_not_all_failed(result.trajectories, f"evaluate {kind.name} / {name}")
     return result
+
+
+def journal_fingerprint(kind: RealEnvironment, env_params: EnvironmentsParams, tasks: list[Task], ids: list[str],
+                        max_steps: int, policy_identity: str) -> str:
+    """What decides how `evaluate_policy`'s games go: resumed games must come from the same ones. The code that
+    plays them counts too (this module, the environment adapters, the policy)."""
+    code = Path(__file__).parents[1]
+    sources = [Path(__file__), *sorted((code / "envs").glob("*.py")), code / "rl" / "policy.py"]
+    payload = json.dumps([kind.name, env_params.model_dump(), [t.to_dict() for t in tasks], ids, max_steps,
+                          policy_identity, [sha256_file(source) for source in sources]], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def summarize(environment: str, policy: str, trajectories: list[Trajectory], confidence: float,
@@ -257,8 +298,10 @@ def seeded_random(kind: RealEnvironment, seed: int) -> Callable[[Environment], P
     return make
 
 
-def evaluate_baselines(params: Params, progress: Callable[[str], None] | None = print) -> tuple[dict[str, Any], str]:
-    """Expert and random policies on the held-out tasks of every configured environment that has an adapter.
+def evaluate_baselines(params: Params, progress: Callable[[str], None] | None = print,
+                       journals: Path | None = None) -> tuple[dict[str, Any], str]:
+    """Expert and random policies on the held-out tasks of every configured environment that has an adapter; with
+    `journals` (a folder), the games played so far are kept there and a rerun resumes them (`evaluate_policy`).
 
     Returns the metrics `{environment: {policy: metrics}, "skipped": [names]}` and a markdown report.
     """
@@ -274,7 +317,9 @@ def evaluate_baselines(params: Params, progress: Callable[[str], None] | None = 
         tasks = kind.make_tasks(params.environments, "heldout", settings.heldout_tasks, params.seed)
         for policy, make_policy in (("expert", kind.expert), ("random", seeded_random(kind, params.seed))):
             result = evaluate_policy(kind, params.environments, tasks, make_policy, workers=settings.workers,
-                                     confidence=settings.confidence, name=policy, progress=progress)
+                                     confidence=settings.confidence, name=policy, progress=progress,
+                                     journal=journals / f"{policy}-{name}.jsonl" if journals else None,
+                                     policy_identity=f"seed {params.seed}")
             results.append(result)
             metrics.setdefault(name, {})[policy] = result.metrics()
     metrics["skipped"] = skipped

@@ -26,7 +26,7 @@ from statistics import NormalDist
 from typing import Any
 
 from components.config import ParamsError
-from components.data.contract import read_records
+from components.data.contract import append_records, read_records
 from components.files import atomic_directory
 from components.reports import (
     GAMES_FILE,
@@ -282,10 +282,7 @@ def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = "."
 def record_failure(results_dir: str | Path, record: dict[str, Any]) -> None:
     """Append a failed attempt at a row (run, profile, commit, seconds, the stage it failed in, why) to the results
     folder's FAILURES_FILE: what a row that could not run cost, and why, for the plan to show."""
-    path = Path(results_dir) / FAILURES_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as out:
-        out.write(json.dumps(record, sort_keys=True) + "\n")
+    append_records([record], Path(results_dir) / FAILURES_FILE)
 
 
 def read_failures(results_dir: str | Path) -> dict[str, list[dict[str, Any]]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from components import distributed
-from components.data.contract import Trajectory, read_records, write_records
+from components.data.contract import Trajectory, append_records, read_records, write_records
 from components.envs.base import check_not_all_failed
 from components.files import atomic_directory, directory_sha256, discard_unless_stamped
 from components.llm.backends import stream_seed
@@ -242,11 +242,8 @@ def play_iteration(model: Any, tokenizer: Any, make_batch: Callable[[], EpisodeB
 
 def keep_episodes(checkpoints: Path, iteration: int, episodes: list[Episode]) -> None:
     """Append iteration `iteration`'s (1-based) episodes, as contract trajectories, to checkpoints/EPISODES_FILE."""
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    with (checkpoints / EPISODES_FILE).open("a", encoding="utf-8") as out:
-        for episode in episodes:
-            if episode.trajectory is not None:
-                out.write(json.dumps({"iteration": iteration, "trajectory": episode.trajectory.to_dict()}) + "\n")
+    append_records(({"iteration": iteration, "trajectory": episode.trajectory.to_dict()} for episode in episodes
+                    if episode.trajectory is not None), checkpoints / EPISODES_FILE)
 
 
 def kept_episodes(out_dir: str | Path) -> list[Trajectory]:
