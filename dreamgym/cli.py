@@ -27,6 +27,7 @@ import yaml
 
 from components import distributed
 from components.config import ParamsError, active_profile, load_params, profile_values
+from components.envs.base import EveryEpisodeFailed
 from components.simulator.experience_model import ExperienceModelFailure
 from stages.common import RANK_AWARE_STAGES, RENAMED, STAGES, StageError
 
@@ -379,7 +380,7 @@ def _deploy(args: argparse.Namespace, params) -> int:
 def _run(call) -> int:
     try:
         call()
-    except (StageError, ParamsError, ExperienceModelFailure) as error:
+    except (StageError, ParamsError, ExperienceModelFailure, EveryEpisodeFailed) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

@@ -17,6 +17,7 @@ from components.builders import (
     synthetic_environments,
 )
 from components.config import Params
+from components.envs.base import EveryEpisodeFailed
 from components.reports import line_plot, markdown_table, write_csv, write_stage_outputs
 from components.rl.loop import settings_fingerprint
 from components.rl.rollouts import RemoteSyntheticBatch, SyntheticBatch
@@ -73,9 +74,13 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
             budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
             return SyntheticBatch(*envs) if urls is None else RemoteSyntheticBatch(urls)
 
-        result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
-                       rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
-                       generator=generator, environment=simulator, curve=curve_probe(params))
+        try:
+            result = train(warm_start, curriculum, next_batch, buffer, policy_format(params),
+                           rl_settings(params), root / settings.out_dir, cache_dir=root / params.models.cache_dir,
+                           generator=generator, environment=simulator, curve=curve_probe(params))
+        except EveryEpisodeFailed:  # every episode of an iteration ended on a fallback: say so by the budget, if over
+            budget.check(stats, "synthetic_rl", experience.inference.max_new_tokens)
+            raise
     if not main:  # the main process writes the outputs
         buffer.close()
         return {}

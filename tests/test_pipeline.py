@@ -302,6 +302,15 @@ def test_synthetic_rl_stops_before_paying_for_an_iteration_on_a_simulator_that_n
     assert (checkpoints / "checkpoint-1").is_dir() and not (checkpoints / "checkpoint-2").exists()
     assert not (onboarded / "metrics" / "synthetic_rl.json").exists()
 
+    # where a fallback ends its episode (the cpu profile), iteration 1's two episodes both end on their first turn:
+    # 2 of 2 does not show a 50% budget exceeded, so the stop says every episode failed, as one error line
+    set_params(onboarded, {"experience_model.inference.fallback_ends_episode": True})
+    shutil.rmtree(checkpoints)
+    failed = run("dreamgym", "stage", "synthetic_rl", cwd=onboarded, check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "error: RL iteration 1: an environment failure ended every episode (2)" in failed.stderr
+    assert "the experience model fell back" in failed.stderr
+
 
 def demo_kitchen_study(tiny_model_dir) -> dict:
     """Params of a results study of two GRPO variants on the demo seed, with tiny models."""

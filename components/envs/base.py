@@ -74,10 +74,15 @@ def env_failure(trajectory: Trajectory) -> str | None:
     return trajectory.steps[-1].info.get(ENV_FAILURE) if trajectory.steps else None
 
 
+class EveryEpisodeFailed(RuntimeError):
+    """An environment failure ended every episode of a batch: the environment is broken, not flaky."""
+
+
 def check_not_all_failed(trajectories: Sequence[Trajectory], what: str) -> None:
-    """Raise when an environment failure ended every one of (some) episodes: a broken environment (not installed,
-    out of memory), whose count of failures would otherwise pass for a result."""
+    """Raise EveryEpisodeFailed when an environment failure ended every one of (some) episodes: a broken environment
+    (not installed, out of memory, an experience model that cannot answer), whose count of failures would otherwise
+    pass for a result."""
     reasons = [env_failure(t) for t in trajectories]
     if reasons and all(reasons):
-        raise RuntimeError(f"{what}: an environment failure ended every episode ({len(reasons)}); the first: "
+        raise EveryEpisodeFailed(f"{what}: an environment failure ended every episode ({len(reasons)}); the first: "
                            f"{reasons[0]}")
