@@ -73,7 +73,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     for label, model_dir in candidates.items():
         key = label.replace(" ", "_")  # the policy's name in the metrics and the games file
         model, tokenizer = sft.load_trained_model(model_dir)
-        identity = json.dumps([directory_sha256(model_dir), asdict(fmt), params.policy.max_action_tokens])
+        identity = json.dumps([directory_sha256(model_dir), asdict(fmt), params.policy.max_action_tokens]) \
+            if environments else ""  # a journal's: only real environments' games are journalled
         entry: dict[str, Any] = {}
         if heldout and main:
             entry["next_action"] = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,

@@ -238,6 +238,33 @@ def test_a_stopped_evaluation_resumes_from_its_journal_playing_only_the_games_it
     assert not engine_children()
 
 
+def test_a_game_an_engine_failure_ended_is_not_journalled_so_the_rerun_plays_it_again(textworld, tmp_path) -> None:
+    kind, params, tasks = textworld
+    doomed, journal, played, crashed = tasks[1].task_id, tmp_path / "expert.jsonl", [], []
+
+    def make_policy(env):
+        expert = kind.expert(env)
+
+        def act(task, observation, history):
+            if not history:
+                played.append(task.task_id)
+            if task.task_id == doomed and len(history) == 2 and not crashed:
+                crashed.append(task.task_id)
+                os.kill(env._worker._process.pid, signal.SIGKILL)  # the engine crashes under the first play
+            return expert(task, observation, history)
+        return act
+
+    def evaluate() -> EvaluationResult:
+        return evaluate_policy(kind, params.environments, tasks, make_policy, workers=2, confidence=0.95,
+                               name="expert", progress=None, journal=journal, policy_identity="expert")
+
+    assert evaluate().env_failures == 1 and len(journal.read_text().splitlines()) == 3
+    played.clear()
+    again = evaluate()
+    assert played == [doomed] and (again.episodes, again.successes, again.env_failures) == (4, 4, 0)
+    assert not engine_children()
+
+
 def test_a_journal_line_a_crash_cut_short_is_dropped_and_the_next_append_starts_clean(tmp_path) -> None:
     from components.data.contract import append_records, read_journal
 

@@ -104,8 +104,8 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
     collected = [done[i] for i in (f"{task.task_id}-{policy}-{repeat}" for task, policy, repeat in plan) if i in done]
     check_not_all_failed(collected + failures, f"collect_seed {environment}")  # raises with the progress kept
     write_trajectories(collected, out_path)
-    progress_path.unlink()
-    progress_path.with_suffix(".fingerprint").unlink()
+    progress_path.unlink(missing_ok=True)  # none when nothing was planned
+    progress_path.with_suffix(".fingerprint").unlink(missing_ok=True)
     return Collection(collected, failures, left_out)
 
 

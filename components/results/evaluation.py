@@ -88,10 +88,12 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     process gets the whole result, the same as one process's (a policy that plays a task the same wherever it plays
     it, as greedy and task-seeded ones do). Only the main process reports progress, on its share.
 
-    With `journal` (a JSONL file), each finished game is appended to it, and a later call with the same tasks,
+    With `journal` (a JSONL file), each game played out is appended to it, and a later call with the same tasks,
     settings, code and `policy_identity` (what makes the policy play as it does: a model's content digest) plays
-    only the games it lacks: a crash or a stop loses the games in flight, not the finished ones. Wall time counts
-    every call's. The journal of anything else is discarded; the caller deletes it once the result is safe.
+    only the games it lacks: a crash or a stop loses the games in flight, not the finished ones. A game an
+    environment failure ended is not kept: the next call plays it again, on an environment that may work now. Wall
+    time counts every call's. The journal of anything else is discarded; the caller deletes it once the result is
+    safe.
     """
     max_steps = max_steps or kind.max_steps(env_params)
     source = name if name in SOURCES else "policy"
@@ -153,9 +155,11 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
                 index = todo[next_todo]
                 trajectory = run_episode(env, tasks[index], make_policy(env), max_steps=max_steps,
                                          trajectory_id=ids[index], source=source)
+                if stop.is_set():  # a stop closed its environment under it: not a game the policy played out
+                    return
                 with lock:
                     trajectories[index] = trajectory
-                    if journal is not None:
+                    if journal is not None and env_failure(trajectory) is None:  # a failure is played again
                         append_records([{"trajectory": trajectory.to_dict(),
                                          "wall_s": earlier_s + time.monotonic() - started}], journal)
                     state["done"] += 1
@@ -203,7 +207,8 @@ def journal_fingerprint(kind: RealEnvironment, env_params: EnvironmentsParams, t
     """What decides how `evaluate_policy`'s games go: resumed games must come from the same ones. The code that
     plays them counts too (this module, the environment adapters, the policy)."""
     code = Path(__file__).parents[1]
-    sources = [Path(__file__), *sorted((code / "envs").glob("*.py")), code / "rl" / "policy.py"]
+    sources = [Path(__file__), *sorted((code / "envs").glob("*.py")), code / "rl" / "policy.py",
+               code / "llm" / "backends.py"]
     payload = json.dumps([kind.name, env_params.model_dump(), [t.to_dict() for t in tasks], ids, max_steps,
                           policy_identity, [sha256_file(source) for source in sources]], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
