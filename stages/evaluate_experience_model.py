@@ -4,11 +4,9 @@ held-out evaluation games (the states a policy reaches; they only measure). Unde
 its share of the transitions and plays its share of the games; the main process scores them all and writes."""
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,6 @@ from components.builders import (
 from components.config import Params
 from components.data.contract import Transition, transitions, write_records
 from components.envs.registry import has_adapter, real_environment
-from components.files import directory_sha256
 from components.llm import sft
 from components.reports import write_stage_outputs
 from components.results.evaluation import evaluate_policy
@@ -108,8 +105,7 @@ def on_policy_transitions(params: Params, root: Path) -> tuple[list[Transition],
         return [], 0
     model, tokenizer = sft.load_trained_model(model_dir)
     fmt = policy_format(params)
-    identity = json.dumps([directory_sha256(model_dir), asdict(fmt), params.policy.max_action_tokens, temperature,
-                           params.seed])
+    identity = policy.factory_identity(model_dir, fmt, params.policy.max_action_tokens, temperature, params.seed)
     played, count = [], 0
     for name in names:
         kind = real_environment(name)

@@ -1,9 +1,7 @@
 """evaluate_policies: the warm start, the synthetic-RL and the sim-to-real policies on held-out tasks."""
 from __future__ import annotations
 
-import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,6 @@ from components.builders import (
 from components.config import Params
 from components.data.contract import TRAJECTORIES, Trajectory, read_trajectories, write_trajectories
 from components.envs.registry import has_adapter, real_environment
-from components.files import directory_sha256
 from components.llm import sft
 from components.llm.backends import HFGenerationBackend
 from components.reports import GAMES_FILE, markdown_table, write_csv, write_stage_outputs
@@ -73,8 +70,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
     for label, model_dir in candidates.items():
         key = label.replace(" ", "_")  # the policy's name in the metrics and the games file
         model, tokenizer = sft.load_trained_model(model_dir)
-        identity = json.dumps([directory_sha256(model_dir), asdict(fmt), params.policy.max_action_tokens]) \
-            if environments else ""  # a journal's: only real environments' games are journalled
+        identity = policy.factory_identity(model_dir, fmt, params.policy.max_action_tokens) if environments else ""
         entry: dict[str, Any] = {}
         if heldout and main:
             entry["next_action"] = policy.next_action_accuracy(HFGenerationBackend(model, tokenizer), heldout, fmt,

@@ -12,15 +12,18 @@ the policy acted on differ from the one it is trained on.
 """
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.data.contract import Task, Trajectory
 from components.envs.base import Environment, Observation, Policy
+from components.files import directory_sha256
 from components.llm.backends import ConversationBackend, HFGenerationBackend, Message, random_stream, stream_seed
 from components.simulator.experience_model import clip
 
@@ -160,3 +163,10 @@ def policy_factory(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, f
         return llm_policy(ConversationBackend(model, tokenizer), fmt, max_action_tokens, temperature, seed)
 
     return make
+
+
+def factory_identity(model_dir: str | Path, fmt: PolicyFormat, max_action_tokens: int, temperature: float = 0.0,
+                     seed: int | None = None) -> str:
+    """What makes `policy_factory`'s policy of the model saved in `model_dir` play as it does (the model by content):
+    `evaluate_policy`'s `policy_identity`, so a journal of its games is resumed only by the same policy."""
+    return json.dumps([directory_sha256(model_dir), asdict(fmt), max_action_tokens, temperature, seed])
