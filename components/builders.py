@@ -107,7 +107,8 @@ def rl_tasks(params: Params, root: Path) -> list:
 
 
 def rl_settings(params: Params):
-    """synthetic_rl with the policy's turn and action limits and the run seed, as `loop.RLSettings`."""
+    """synthetic_rl with the policy's turn and action limits and the run seed, as `loop.RLSettings` (no transition
+    budget: synthetic transitions are what the experience model makes)."""
     from components.llm.sft import LoraSettings
     from components.rl.loop import PPOSettings, RLSettings
 
@@ -116,7 +117,7 @@ def rl_settings(params: Params):
         **rl.model_dump(exclude={"out_dir", "lora", "ppo", "curriculum"}),
         lora=LoraSettings(**rl.lora.model_dump()) if rl.lora else None, ppo=PPOSettings(**rl.ppo.model_dump()),
         max_turns=params.policy.max_turns, max_action_tokens=params.policy.max_action_tokens,
-        batched_rollouts=params.policy.batched_rollouts, seed=params.seed)
+        batched_rollouts=params.policy.batched_rollouts, seed=params.seed, transition_budget=None)
 
 
 def curve_probe(params: Params):

@@ -363,8 +363,8 @@ class SimToRealParams(Section):
     out_dir: str
     start_from: Literal["synthetic_rl", "sft"] = Field(
         description="synthetic_rl: DreamGym-S2R; sft: RL in the real environment only (the baseline)")
-    real_transitions: int = Field(ge=0, description="budget of real transitions; each iteration is charged its "
-                                                    "worst case, tasks_per_iteration x group_size x policy.max_turns")
+    real_transitions: int = Field(ge=0, description="budget of real transitions; another iteration starts while its "
+                                  "worst case (tasks_per_iteration x group_size x policy.max_turns) fits in the rest")
     max_iterations: int = Field(gt=0, description="at most this many iterations, even if the budget pays for more")
     tasks_per_iteration: int = Field(gt=0)
     group_size: int = Field(gt=1)

@@ -4,6 +4,8 @@
   dreamgym stage NAME                              run one pipeline stage, stages/NAME.py (what dvc.yaml calls)
   dreamgym flow NAME                               run a stage, or the whole `pipeline`, as a Prefect flow
   dreamgym flow results_study                      the paper's Table 1: every variant of params.yaml `study`
+  dreamgym study run|report [ROW...]               the study's rows not finished (or those named), or its report
+  dreamgym study supersede ROW... --reason TEXT    mark finished study runs a change to the method outdates
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
   dreamgym params use PROFILE                      write a profile (profiles/NAME.yaml: quick, cpu, gpu) into it
@@ -65,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     study_command = commands.add_parser("study", help="the results study (params.yaml `study`): `run [ROW...]` runs "
                                         "its rows not finished yet, or only those named; `report` remakes its report "
                                         "from the runs kept in study.results_dir (runs copied in from other "
-                                        "checkouts), running none")
-    study_command.add_argument("action", choices=["run", "report"])
-    study_command.add_argument("rows", nargs="*", help="run: rows named <environment>/<variant>-seed<k>, as the "
-                               "report's planned runs list them (default: every row)")
+                                        "checkouts), running none; `supersede ROW... --reason TEXT` marks finished "
+                                        "runs that a later change to the method outdates: kept, out of the results, "
+                                        "run again")
+    study_command.add_argument("action", choices=["run", "report", "supersede"])
+    study_command.add_argument("rows", nargs="*", help="run, supersede: rows named <environment>/<variant>-seed<k>, "
+                               "as the report's planned runs list them (run's default: every row)")
+    study_command.add_argument("--reason", default="", help="supersede: why the runs no longer stand (the report "
+                               "prints it)")
     study_command.add_argument("--profile", help="report: the study of params.yaml with this profile's values (quick, "
                                "cpu, gpu or a path), as `params use` would set them, without changing params.yaml")
     coverage = commands.add_parser("coverage", help="per task of an environment: reset, interactive elements the "
@@ -343,6 +349,12 @@ def _study(args: argparse.Namespace, params) -> int:
         if args.action == "report" and args.rows:
             raise ParamsError("`study report` takes no rows: it reports every kept run")
         results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
+        if args.action == "supersede":
+            if not args.rows:
+                raise ParamsError("`study supersede` needs the rows to mark, as the report's runs table names them")
+            for path in study.supersede(results_dir, args.rows, args.reason):
+                print(f"{path}: superseded ({args.reason.strip()}); `dreamgym study report` to remake the report")
+            return EXIT_OK
         planned = study.plan(params, sim_to_real.iteration_cost(params))
         if args.action == "run":
             study.select_rows(planned, args.rows, params.study.variants)  # a wrong name fails before the flow starts

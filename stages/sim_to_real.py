@@ -22,7 +22,7 @@ from components.data.contract import ON_POLICY, write_trajectories
 from components.envs.registry import has_adapter, real_environment
 from components.reports import line_plot, markdown_table, write_csv, write_stage_outputs
 from components.rl.curriculum import Curriculum
-from components.rl.loop import RLSettings, iterations_within_budget, kept_episodes
+from components.rl.loop import RLSettings, kept_episodes
 from components.rl.rollouts import RealBatch
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def real_rl_settings(params: Params) -> RLSettings:
     settings = params.sim_to_real
     return dataclasses.replace(rl_settings(params), iterations=settings.max_iterations,
                                tasks_per_iteration=settings.tasks_per_iteration, group_size=settings.group_size,
-                               learning_rate=settings.learning_rate)
+                               learning_rate=settings.learning_rate, transition_budget=settings.real_transitions)
 
 
 def iteration_cost(params: Params) -> int:
@@ -54,12 +54,11 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                     if has_adapter(t.task.environment)}.values(), key=lambda task: task.task_id)
     skipped = [name for name in params.policy.environments if not has_adapter(name)]
     rl = real_rl_settings(params)
-    iterations = iterations_within_budget(rl, settings.real_transitions)
     why_not = ("no environment of policy.environments has a real-environment adapter (a seed-only domain)"
                if not tasks else
                f"a budget of {settings.real_transitions} real transitions pays for no iteration (one costs up to "
                f"{rl.transitions_per_iteration}: tasks_per_iteration x group_size x policy.max_turns)"
-               if iterations == 0 else None)
+               if rl.transitions_per_iteration > settings.real_transitions else None)
     main = distributed.is_main_process()
     if why_not is not None:
         log.warning("sim_to_real skipped: %s", why_not)
@@ -81,7 +80,6 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         from components.rl.grpo import train_grpo as train
     else:
         from components.rl.ppo import train_ppo as train
-    rl = dataclasses.replace(rl, iterations=iterations)
     # Real tasks cannot be invented: the curriculum is off here, the tasks are the training tasks' real games. Under a
     # launcher each process plays its share of each iteration in real environments of its own.
     result = train(str(root / start / "model"), Curriculum(tasks, curriculum_settings(params, enabled=False)),
@@ -92,7 +90,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         return {}
     rows = result.log
     used = sum(row["env_transitions"] for row in rows)
-    if used > settings.real_transitions:  # cannot happen: iterations_within_budget charges every worst case
+    if used > settings.real_transitions:  # cannot happen: an iteration starts only if its worst case fits
         raise RuntimeError(f"sim_to_real used {used} real transitions, over its budget {settings.real_transitions}")
     write_csv(rows, root / "metrics" / "sim_to_real_iterations.csv")
     played = kept_episodes(root / settings.out_dir)
@@ -122,7 +120,7 @@ def report(params: Params, metrics: dict[str, Any], rows: list[dict[str, Any]], 
             f"{metrics['iterations']} iterations in the real environments ({tasks} training tasks, "
             f"{rl.tasks_per_iteration} per iteration x {rl.group_size} episodes, at most {rl.max_turns} turns) used "
             f"**{metrics['real_transitions_used']} real transitions** of a budget of {settings.real_transitions} "
-            f"(each iteration is charged its worst case, {rl.transitions_per_iteration}, before it runs). "
+            f"(another iteration starts while its worst case, {rl.transitions_per_iteration}, fits in what is left). "
             f"Wall time {seconds:.0f} s. {metrics['env_failures']} episode(s) ended by an environment failure (a hung "
             "or crashed engine or browser): counted in `env_failures`, left out of success and reward, given no "
             "advantage.\n\n![learning curves](sim_to_real.png)\n\n"

@@ -9,18 +9,19 @@ from components.simulator.experience_model import format_target
 
 
 class ScriptedBackend:
-    """Replies `after <action>`; the action "eat meal" ends the episode with reward 1, "give up" with 0."""
+    """Replies `after <action>`; the action "eat meal" ends the episode with reward 1, "give up" with 0 (with
+    `one_turn`, every action ends it)."""
 
-    def __init__(self, garbage: bool = False) -> None:
+    def __init__(self, garbage: bool = False, one_turn: bool = False) -> None:
         self.calls: list[list] = []
-        self.garbage = garbage
+        self.garbage, self.one_turn = garbage, one_turn
 
     def generate(self, prompts, max_new_tokens, temperature=0.0):
         self.calls.append(list(prompts))
         replies = []
         for prompt in prompts:
             action = re.findall(r"^Action: (.*)$", prompt[-1]["content"], re.M)[-1]
-            done = action in ("eat meal", "give up")
+            done = self.one_turn or action in ("eat meal", "give up")
             replies.append("no tags at all" if self.garbage else
                            format_target(f"after {action}", float(action == "eat meal"), done, f"did {action}"))
         return replies

@@ -178,8 +178,9 @@ def test_runtime_settings_mirror_their_params_sections_and_have_no_defaults():
         (TrainingSettings, config.TrainingParams, {"seed"}),
         (CurriculumSettings, config.CurriculumParams, set()),
         (PPOSettings, config.PPOParams, set()),
-        # policy.* and seed
-        (RLSettings, config.SyntheticRLParams, {"max_turns", "max_action_tokens", "batched_rollouts", "seed"}),
+        # policy.*, seed, and sim_to_real.real_transitions (the builder's None for synthetic RL)
+        (RLSettings, config.SyntheticRLParams, {"max_turns", "max_action_tokens", "batched_rollouts", "seed",
+                                                "transition_budget"}),
         (IndexSettings, config.BufferIndexParams, set()),
     ]
     for settings, section, elsewhere in mirrors:

@@ -117,6 +117,35 @@ def test_a_run_cut_below_its_checkpoints_resumes_the_last_one_within_the_cut(pol
     assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-1"]
 
 
+def test_a_transition_budget_plays_iterations_while_their_worst_case_fits_and_resumes_to_the_same_plan(policy_dir,
+                                                                                                     tmp_path):
+    """Sim-to-real's budget: one-turn episodes spend 4 of an iteration's worst case of 8 (4 episodes x 2 turns), so a
+    budget of 16 pays for 3 iterations (the third starts with 8 left), not the 2 a count fixed by the worst case
+    would give; the last iteration is saved though save_every is larger, a rerun plays nothing more, a larger budget
+    goes on and a smaller one resumes only the checkpoint within it."""
+    def batch():
+        return SyntheticBatch(SyntheticEnvironment(ENV, ScriptedBackend(one_turn=True), None,
+                                                   settings_from_params("prompt", use_retrieval=False),
+                                                   settings=settings_from_params("inference", retries=0)))
+
+    def train(budget, save_every=5):
+        return train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), batch, None, POLICY_FORMAT,
+                          replace(SETTINGS, iterations=10, transition_budget=budget, save_every=save_every,
+                                  save_total_limit=10), tmp_path / "rl", cache_dir=tmp_path)
+
+    first = train(16)
+    assert SETTINGS.transitions_per_iteration == 8 and [row["env_transitions"] for row in first.log] == [4, 4, 4]
+    assert first.iterations == 3 and read_iteration_log(first.model_dir) == first.log
+    assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-3"]
+    again = train(16)
+    assert again.resumed_from.endswith("checkpoint-3") and again.log == json.loads(json.dumps(first.log))
+    more = train(20, save_every=1)  # 8 left after 12: one more iteration
+    assert more.resumed_from.endswith("checkpoint-3") and len(more.log) == 4 and more.log[:3] == again.log
+    cut = train(12)  # the third iteration started with 8 left of 16, but with 4 of 12: only 2 are this run's
+    assert cut.resumed_from is None and len(cut.log) == 2
+    assert sum(row["env_transitions"] for row in cut.log) == 8
+
+
 def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(policy_dir, tmp_path):
     """The study's ablations share out_dir: a run on another simulator, or from a warm start retrained in place,
     must start afresh, not finish from the previous run's checkpoint."""

@@ -210,6 +210,24 @@ def test_ppo_resumes_mid_run_where_it_stopped(first_run, policy_dir, tmp_path):
         {k: v for k, v in original[1].items() if k not in TIMINGS}
 
 
+def test_ppo_plays_iterations_while_their_worst_case_fits_in_its_transition_budget(policy_dir, tmp_path):
+    """One-turn episodes spend 4 of an iteration's worst case of 8: a budget of 16 pays for 3 iterations, the last one
+    saved though save_every is larger; a rerun plays nothing, a larger budget goes on from the checkpoint."""
+    def train(budget, backend):
+        settings = replace(SETTINGS, iterations=10, transition_budget=budget, save_every=5, save_total_limit=10)
+        return _train(policy_dir, tmp_path / "rl", tmp_path, backend, settings)[0]
+
+    first = train(16, ScriptedBackend(one_turn=True))
+    assert SETTINGS.transitions_per_iteration == 8 and [row["env_transitions"] for row in first.log] == [4, 4, 4]
+    assert first.iterations == 3 and read_iteration_log(first.model_dir) == first.log
+    assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-3"]
+    idle = ScriptedBackend(one_turn=True)
+    again = train(16, idle)
+    assert again.resumed_from.endswith("checkpoint-3") and again.iterations == 3 and not idle.calls
+    more = train(20, ScriptedBackend(one_turn=True))
+    assert more.iterations == 4 and more.log[:3] == json.loads(json.dumps(first.log))
+
+
 def test_ppo_full_fine_tuning_keeps_a_frozen_reference_and_resumes(policy_dir, tmp_path):
     settings = replace(SETTINGS, lora=None, iterations=1, tasks_per_iteration=1, micro_batch_size=2)
     result, _ = _train(policy_dir, tmp_path / "rl", tmp_path, settings=settings)

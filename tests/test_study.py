@@ -17,6 +17,7 @@ from components.results.study import (
     finished_runs,
     is_finished,
     keep_run,
+    kept_runs,
     paired_games,
     plan,
     plan_status,
@@ -269,6 +270,40 @@ def test_a_rows_failed_attempts_are_kept_and_the_plan_says_what_they_cost_and_wh
     long = "x" * 300  # a long reason is cut in the table (the file keeps it whole)
     record_failure(results, {"run": row, "seconds": 60.0, "stage": None, "reason": long})
     assert f"in an unknown stage: {'x' * 240}... |" in report(results, 0.95, ("grpo",), planned, "cpu")[1]
+
+
+def test_a_superseded_run_leaves_the_results_keeps_its_numbers_and_cost_and_is_run_again(tmp_path, capsys):
+    """A later change to the method (sim-to-real's iteration planning) outdates finished runs: `study supersede`
+    marks them with the reason; they leave every verdict and table, stay in their folder, still cost their row, and
+    the study runs them again."""
+    tw = "textworld-cooking"
+    results = tmp_path / "results"
+    for name, label, wins in [("dreamgym-grpo-seed0", "sft_warm_start", 1), ("real-grpo-seed0", "sim-to-real", 3)]:
+        _run(results, f"{tw}/{name}", {label: {tw: _evaluation(wins, 4)}}, s2r_used=576, start_from="sft")
+        (results / tw / name / "run.json").write_text(json.dumps({"seconds": 6000.0, "profile": "cpu",
+                                                                  "commit": "edf9cbeb" + "0" * 32}))
+    params = ["--params", str(REPO / "params.yaml"), "--set", f"study.results_dir={results}"]
+    row = f"{tw}/real-grpo-seed0"
+    assert main([*params, "study", "supersede", row]) == 2
+    assert "superseding a run needs a reason (--reason)" in capsys.readouterr().err
+    assert main([*params, "study", "supersede", f"{tw}/real-ppo-seed0", "--reason", "x"]) == 2
+    assert f"no finished run of that name to supersede; the finished ones are {tw}/dreamgym-grpo-seed0, {row}" \
+        in capsys.readouterr().err
+    assert main([*params, "study", "supersede", row, "--reason", "sim-to-real now plans iterations adaptively"]) == 0
+
+    assert [run.name for run in finished_runs(results)] == [f"{tw}/dreamgym-grpo-seed0"]
+    assert [run.superseded for run in kept_runs(results)] == [None, "sim-to-real now plans iterations adaptively"]
+    assert not is_finished(results / row, "cpu")  # the study runs it again
+    assert json.loads((results / row / "evaluate_policies.json").read_text())["sim-to-real"][tw]["successes"] == 3
+    metrics, text = report(results, 0.95, ("grpo",), plan(_cpu_study(seeds=[0], variants=["dreamgym-grpo",
+                                                                                          "real-grpo"],
+                                                                      environments=[tw]), 28), "cpu")
+    assert "GRPO in the real environment" not in metrics and "SFT only" in metrics
+    assert "from 1 finished runs" in text and f"| {row} | cpu |" not in text
+    assert "### Superseded runs" in text and f"| {row} | edf9cbeb | 100.0 | 576 | sim-to-real now plans " \
+        "iterations adaptively |" in text
+    assert f"| {row} | not run yet; its run at edf9cbeb was superseded: sim-to-real now plans iterations " \
+        f"adaptively | about 100 (mean of 1) | `dreamgym study run {row}` |" in text
 
 
 def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_shows_its_false_wins(tmp_path):

@@ -173,6 +173,7 @@ SIMULATOR_FILE = "evaluate_experience_model.json"  # kept from a run that scored
 CORRECTION_FILE = "correction_rounds.json"
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
+SUPERSEDED = "superseded"  # run.json's reason a later change to the method superseded the run (`supersede`)
 FAILURES_FILE = "failed_attempts.jsonl"  # in the results folder: each failed attempt at a row, a line
 
 
@@ -320,6 +321,27 @@ def same_study(kept_profile: str, profile: str) -> bool:
     return "custom" in (kept_profile, profile) or kept_profile == profile
 
 
+def supersede(results_dir: str | Path, names: list[str] | tuple[str, ...], reason: str) -> list[Path]:
+    """Mark the finished runs `names` (<environment>/<variant>-seed<k>) superseded by a later change to the method,
+    with `reason` in their run.json: kept in their folders with every number, left out of the verdicts and tables of
+    results, counted for what rows cost, and run again by the study (the rerun replaces the folder)."""
+    if not reason.strip():
+        raise ParamsError("superseding a run needs a reason (--reason): the report prints it beside the run")
+    results_dir, marked = Path(results_dir), []
+    for name in names:
+        path = results_dir / name
+        if not (path / "evaluate_policies.json").is_file():
+            raise ParamsError(f"{path}: no finished run of that name to supersede; the finished ones are "
+                              f"{', '.join(run.name for run in finished_runs(results_dir)) or 'none'}")
+        marked.append(path)
+    for path in marked:
+        record = _read(path / RUN_RECORD)
+        keep_files(path, {**{p.name: p.read_text(encoding="utf-8") for p in path.iterdir() if p.is_file()},
+                          RUN_RECORD: json.dumps({**record, SUPERSEDED: reason.strip()}, indent=2, sort_keys=True)
+                          + "\n"})
+    return marked
+
+
 def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | None = None) -> bool:
     """Whether `run_dir` holds a finished run, which a study keeps and skips. One finished at another named profile,
     or with another value of a param this run would set (`run_overrides`: a changed budget), is an error: its
@@ -328,6 +350,8 @@ def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | N
     if not (run_dir / "evaluate_policies.json").is_file():
         return False
     record = _read(run_dir / RUN_RECORD)
+    if record.get(SUPERSEDED):  # a later change to the method: run again (the rerun replaces it)
+        return False
     kept = record.get("profile", "custom")
     if not same_study(kept, profile):
         raise ParamsError(f"{run_dir}: finished at profile {kept!r}, but params.yaml is at profile {profile!r}. Set "
@@ -360,6 +384,11 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     correction: dict[str, Any]  # correction_rounds.json of a correction run ({} otherwise)
     upstream: list[dict[str, Any]]  # UPSTREAM_FILES ({} for one the run did not keep)
     simulator: dict[str, Any]  # SIMULATOR_FILE ({} if the run did not score its experience model)
+
+    @property
+    def superseded(self) -> str | None:
+        """Why a later change to the method superseded it (`supersede`), or None."""
+        return self.record.get(SUPERSEDED)
 
     def real_transitions(self, label: str) -> int:
         """Real transitions spent on the policy evaluated under `label`: a correction run's, over all its rounds."""
@@ -426,8 +455,14 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
 
 
 def finished_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Run]:
-    """The runs in `results_dir` that finished (a crashed copy's temporary or an unknown folder is not one), as
-    variants of a study of `algorithm_names` (the first one's DreamGym run stands for the warm start)."""
+    """The runs in `results_dir` that finished and stand (`kept_runs` but the superseded ones)."""
+    return [run for run in kept_runs(results_dir, algorithm_names) if not run.superseded]
+
+
+def kept_runs(results_dir: str | Path, algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Run]:
+    """The runs in `results_dir` that finished, superseded ones too (a crashed copy's temporary or an unknown folder
+    is not one), as variants of a study of `algorithm_names` (the first one's DreamGym run stands for the warm
+    start)."""
     known = {v.name: v for v in variants(algorithm_names)}
     runs = []
     results_dir = Path(results_dir)
@@ -876,7 +911,8 @@ class RowStatus:
     costed_by: str | None = None  # the look-alike variant whose runs give the estimate (Variant.costs_like)
     uninformative: bool = False  # not run: the finished runs show it would tell nothing (`uninformative`)
     shared: dict[str, float] | None = None  # minutes of the estimate in stages other rows can share, by stage
-    failed: str = ""  # not finished: its failed attempts (`record_failure`), the last one's stage and why
+    history: str = ""  # not finished: its failed attempts (`record_failure`, the last one's stage and why) and its
+    # superseded run (`supersede`)
 
     @property
     def to_run(self) -> bool:
@@ -884,10 +920,12 @@ class RowStatus:
 
 
 def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "custom",
-                failures: dict[str, list[dict[str, Any]]] | None = None) -> list[RowStatus]:
+                failures: dict[str, list[dict[str, Any]]] | None = None,
+                superseded: list[Run] | None = None) -> list[RowStatus]:
     """Every run the study plans: finished (its wall time), kept with other params than the plan's (`is_finished`
     refuses it), or not run (why, or what it would cost by the finished runs of its variant on its environment, and
-    the command that runs it alone; and its failed attempts, `failures`: `read_failures`)."""
+    the command that runs it alone; and its failed attempts, `failures`: `read_failures`, and its `superseded` run,
+    whose cost counts in the estimates as a finished run's does)."""
     kept = {run.name: run for run in runs}
     status: dict[str, str] = {}  # row -> "finished" or why the run kept under its name is not this row's
     for row in planned:
@@ -899,10 +937,12 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
                 status[row.name] = f"kept with other params: {error}"
     minutes: dict[str, list[float]] = {}  # <environment>/<variant> -> minutes of its finished rows (`cost_seconds`)
     shared: dict[str, list[dict[str, float] | None]] = {}  # the same rows' shareable stages (`shared_seconds`)
+    replaced = {run.name: run for run in superseded or []}
     for row in planned:
-        if status.get(row.name) == "finished" and (cost := kept[row.name].cost_seconds) is not None:
+        measured = kept.get(row.name) if status.get(row.name) == "finished" else replaced.get(row.name)
+        if measured is not None and (cost := measured.cost_seconds) is not None:
             minutes.setdefault(row.name.rpartition("-seed")[0], []).append(cost / 60)
-            part = kept[row.name].shared_seconds  # known where the cost is the time from scratch
+            part = measured.shared_seconds  # known where the cost is the time from scratch
             shared.setdefault(row.name.rpartition("-seed")[0], []).append(
                 None if part is None else {stage: seconds / 60 for stage, seconds in part.items()})
     found = []
@@ -924,13 +964,14 @@ def plan_status(planned: list[PlannedRun], runs: list[Run], profile: str = "cust
             parts = shared.get(group, [None])
             in_shared = None if not measured or None in parts else {
                 stage: _mean([part[stage] for part in parts if part is not None]) for stage in parts[0] or {}}
-            tried = _failed_attempts((failures or {}).get(row.name, []))
+            history = "; ".join(filter(None, [_failed_attempts((failures or {}).get(row.name, [])),
+                                              _superseded(replaced.get(row.name))]))
             if reason := uninformative(row, runs):
                 found.append(RowStatus(row, reason, cost, f"`{STUDY_RUN_COMMAND} {row.name}` runs it anyway",
-                                       uninformative=True, failed=tried))
+                                       uninformative=True, history=history))
             else:
                 found.append(RowStatus(row, "not run yet", cost, f"`{STUDY_RUN_COMMAND} {row.name}`",
-                                       _mean(measured) if measured else None, like, shared=in_shared, failed=tried))
+                                       _mean(measured) if measured else None, like, shared=in_shared, history=history))
     return found
 
 
@@ -943,6 +984,11 @@ def _failed_attempts(attempts: list[dict[str, Any]]) -> str:
     return (f"{len(attempts)} failed attempt{'s' * (len(attempts) > 1)} ({minutes:.0f} min); the last, at "
             f"{(last.get('commit') or '?')[:8]}, in {last.get('stage') or 'an unknown stage'}: "
             f"{why[:240] + '...' if len(why) > 240 else why}")
+
+
+def _superseded(run: Run | None) -> str:
+    return "" if run is None else (f"its run at {(run.record.get('commit') or '?')[:8]} was superseded: "
+                                   f"{run.superseded}")
 
 
 EXPERIENCE_STAGE = UPSTREAM_FILES[0].removesuffix(".json")  # trained again by a row that sets experience_model params
@@ -984,7 +1030,7 @@ def plan_table(statuses: list[RowStatus]) -> str:
                "kept it, else their wall time, so the total is what the rows cost on fresh machines. Each command runs "
                f"that row alone; `{STUDY_RUN_COMMAND}` with no row runs every row not finished.\n\n")
     return total + markdown_table(["row", "status", "minutes (finished: wall time; else estimate)", "command"],
-                                  [[s.row.name, s.status + (f"; {s.failed}" if s.failed else ""), s.minutes,
+                                  [[s.row.name, s.status + (f"; {s.history}" if s.history else ""), s.minutes,
                                     s.command] for s in statuses])
 
 
@@ -1079,7 +1125,8 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     unless the kept runs were made at another profile (another study's, such as a first edition's, which these
     params do not plan)."""
     results_dir = Path(results_dir)
-    runs = finished_runs(results_dir, algorithm_names)
+    kept = kept_runs(results_dir, algorithm_names)
+    runs, superseded = [run for run in kept if not run.superseded], [run for run in kept if run.superseded]
     profiles = {run.name: run.record.get("profile", "custom") for run in runs}
     if len(set(profiles.values()) - {"custom"}) > 1:
         raise ParamsError(f"{results_dir}: its runs were made at different profiles ({profiles}), and a report pools "
@@ -1089,7 +1136,7 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     metrics, table = aggregate(runs, confidence)
     found = comparisons(metrics, algorithm_names, paired_games(runs), confidence)
     failures = read_failures(results_dir)
-    statuses = plan_status(planned, runs, profile, failures) if planned and not others else None
+    statuses = plan_status(planned, runs, profile, failures, superseded) if planned and not others else None
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
@@ -1113,8 +1160,23 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
                              sorted({status.row.environment for status in statuses or []}))
             + f"\n## Runs\n\n{runs_table(runs)}"
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
+            + superseded_section(superseded)
             + _plan_section(planned, statuses, profile, others, budget))
     return metrics, text
+
+
+def superseded_section(superseded: list[Run]) -> str:
+    """The runs a later change to the method superseded (`supersede`): out of every result above, kept in their
+    folders; what each spent and why it no longer stands."""
+    if not superseded:
+        return ""
+    return ("\n### Superseded runs\n\nOut of every verdict, table and curve above; their folders keep every number, "
+            "and the study runs them again (the rerun replaces the folder). Their costs still estimate their rows'.\n\n"
+            + markdown_table(["run", "commit", "wall time (min)", "real transitions", "why superseded"],
+                             [[run.name, (run.record.get("commit") or "?")[:8],
+                               f"{run.record['seconds'] / 60:.1f}" if run.record.get("seconds") else "-",
+                               run.sim_to_real.get("real_transitions_used", "-"), run.superseded]
+                              for run in superseded]))
 
 
 def _plan_section(planned: list[PlannedRun] | None, statuses: list[RowStatus] | None, profile: str,

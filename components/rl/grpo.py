@@ -6,12 +6,13 @@ instance. A `rollout_func` lets us run our own multi-turn engine (`rollouts.roll
 one batched generate, every environment turn in one experience-model call) and hand TRL one token sequence per
 episode with an `env_mask`, so the loss covers the policy's tokens only.
 
-One optimizer step is one RL iteration: TRL asks for `tasks_per_iteration` x `group_size` episodes; we play the
-curriculum's tasks for the iteration in their place (`rl.play_iteration`; the tasks TRL sampled from its static
-dataset are ignored, since the curriculum adds tasks while training runs), each task `group_size` times in a row,
-which is how TRL groups completions. The reward of an episode is its return; TRL normalises the rewards within
-each task's group (group-relative advantages over whole multi-turn trajectories) and takes a clipped policy-gradient
-step with a KL penalty (`beta`) towards the warm start. Trajectories go into the replay buffer as synthetic
+One optimizer step is one RL iteration (up to `settings.iterations`, and under a transition budget while it pays for
+another): TRL asks for `tasks_per_iteration` x `group_size` episodes; we play the curriculum's tasks for the
+iteration in their place (`rl.play_iteration`; the tasks TRL sampled from its static dataset are ignored, since the
+curriculum adds tasks while training runs), each task `group_size` times in a row, which is how TRL groups
+completions. The reward of an episode is its return; TRL normalises the rewards within each task's group
+(group-relative advantages over whole multi-turn trajectories) and takes a clipped policy-gradient step with a KL
+penalty (`beta`) towards the warm start. Trajectories go into the replay buffer as synthetic
 experience.
 """
 from __future__ import annotations
@@ -31,10 +32,12 @@ from components.rl.loop import (
     CurveProbe,
     RLResult,
     RLSettings,
+    another_iteration_fits,
     iteration_record,
     keep_episodes,
     logged_seconds,
     play_iteration,
+    progress,
     prune_checkpoints,
     save_sidecars,
     save_trained_policy,
@@ -118,7 +121,8 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
         checkpoints, resume, rows = start_run(policy_model, curriculum, buffer, settings, out_dir, environment)
     earlier_seconds = logged_seconds(rows)  # iterations restored from the checkpoint
     main = distributed.is_main_process()
-    if resume is not None and len(rows) >= settings.iterations:
+    spent = {"transitions": sum(row["env_transitions"] for row in rows)}  # every process: each iteration adds its own
+    if resume is not None and not another_iteration_fits(settings, len(rows), spent["transitions"]):
         # Nothing left to train. Trainer.train would still take a step: resumed mid-epoch, it tests max_steps only
         # after one, and for sim-to-real that step spends real transitions beyond the budget.
         if main:
@@ -144,6 +148,7 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
             raise RuntimeError(f"{len(episodes)} episodes for TRL's {len(prompts)} prompts per process: the "
                                "generation batch must be one iteration (tasks_per_iteration x group_size)")
         pending.update(episodes=episodes, stats=stats, fields=fields)
+        spent["transitions"] += fields["env_transitions"]
         returns = training_returns(episodes, settings.group_size)  # env failures: no advantage
         mine = slice(distributed.rank() * len(prompts), (distributed.rank() + 1) * len(prompts))
         return {"prompt_ids": [e.prompt_ids for e in episodes[mine]],
@@ -158,6 +163,12 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.step_start = time.monotonic()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # every process stops at once: all of them count the same broadcast transitions; the last iteration is
+            # saved, so a resume finds the run complete
+            if not another_iteration_fits(settings, state.global_step, spent["transitions"]):
+                control.should_training_stop = control.should_save = True
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
@@ -174,12 +185,13 @@ def train_grpo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[
                                          optimisation_s=round(optimisation_s, 2), **update))
             keep_episodes(checkpoints, state.global_step, episodes)
             if curve is not None:
-                rows[-1].update(curve.point(trainer.model, tokenizer, state.global_step, state.max_steps))
+                last = not another_iteration_fits(settings, state.global_step, spent["transitions"])
+                rows[-1].update(curve.point(trainer.model, tokenizer, state.global_step, last))
             row, done = rows[-1], state.global_step - self.first
-            eta = (time.monotonic() - self.start) / done * (state.max_steps - state.global_step)
-            log.info("iteration %d/%d reward %.3f success %.2f kl %s held-out %s | %.0fs/iteration, ETA %.0fs",
-                     state.global_step, state.max_steps, row["reward_mean"], row["success_rate"],
-                     row.get("kl", "n/a"), row.get("heldout_success", "-"), step_seconds, eta)
+            where, pace = progress(settings, state.global_step, spent["transitions"],
+                                   (time.monotonic() - self.start) / done)
+            log.info("iteration %s reward %.3f success %.2f kl %s held-out %s | %s", where, row["reward_mean"],
+                     row["success_rate"], row.get("kl", "n/a"), row.get("heldout_success", "-"), pace)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if not main:  # Trainer saved the checkpoint in the main process

@@ -81,6 +81,7 @@ class RLSettings:
     lora: LoraSettings | None
     ppo: PPOSettings
     seed: int
+    transition_budget: int | None  # environment transitions the run may spend (sim-to-real's); None: no limit
 
     @property
     def episodes_per_iteration(self) -> int:
@@ -113,9 +114,10 @@ class CurveProbe:
     every: int
     measure: Callable[[Any, Any], float]
 
-    def point(self, model: Any, tokenizer: Any, iteration: int, iterations: int) -> dict[str, Any]:
-        """The iteration log's fields for 1-based `iteration`: held-out success and its time, or none."""
-        if iteration % self.every and iteration != iterations:
+    def point(self, model: Any, tokenizer: Any, iteration: int, last: bool) -> dict[str, Any]:
+        """The iteration log's fields for 1-based `iteration` (`last`: the run's last): held-out success and its
+        time, or none."""
+        if iteration % self.every and not last:
             return {}
         started, training = time.monotonic(), model.training
         model.eval()
@@ -179,15 +181,37 @@ def training_returns(episodes: list[Episode], group_size: int) -> list[float]:
     return returns
 
 
-def iterations_within_budget(settings: RLSettings, env_transitions: int) -> int:
-    """How many iterations a budget of environment transitions pays for, at most `settings.iterations`.
+def another_iteration_fits(settings: RLSettings, iterations_done: int, transitions_spent: int) -> bool:
+    """Whether the run plays another iteration after `iterations_done` that spent `transitions_spent`: at most
+    `settings.iterations`, and under a transition budget only while the iteration's worst case (every episode to the
+    turn limit) fits in what is left. So a run never exceeds its budget, yet spends what episodes shorter than the
+    turn limit leave (an iteration count fixed in advance by the worst case would not); a resumed run, reading the
+    spending from its log, plans the same."""
+    return iterations_done < settings.iterations and (
+        settings.transition_budget is None
+        or settings.transition_budget - transitions_spent >= settings.transitions_per_iteration)
 
-    Each iteration is charged its worst case (every episode runs to the turn limit), so a run never exceeds the
-    budget and its iteration count is fixed before it starts (a resumed run plans the same one). What iterations
-    leave unused is reported by the caller, not carried over.
-    """
-    worst_case = settings.transitions_per_iteration
-    return min(settings.iterations, env_transitions // worst_case)
+
+def iterations_allowed(settings: RLSettings, rows: list[dict[str, Any]]) -> int:
+    """How many of the logged iterations `rows` this run's plan plays (`another_iteration_fits` before each): a
+    checkpoint past it belongs to a longer run or a larger budget, and is not resumed."""
+    done = spent = 0
+    while done < len(rows) and another_iteration_fits(settings, done, spent):
+        spent += rows[done]["env_transitions"]
+        done += 1
+    return done
+
+
+def progress(settings: RLSettings, iteration: int, spent: int, seconds_per_iteration: float) -> tuple[str, str]:
+    """For an iteration's log line: where the run stands after `iteration` (of its iterations, and of its transition
+    budget) and its time per iteration with the ETA (under a budget, of the iterations the mean spending leaves)."""
+    left = settings.iterations - iteration
+    where = f"{iteration}/{settings.iterations}"
+    if settings.transition_budget is not None:
+        where += f" ({spent}/{settings.transition_budget} transitions)"
+        affordable = (settings.transition_budget - spent) // max(spent / max(iteration, 1), 1)
+        left = min(left, int(affordable)) if another_iteration_fits(settings, iteration, spent) else 0
+    return where, f"{seconds_per_iteration:.0f}s/iteration, ETA {seconds_per_iteration * left:.0f}s"
 
 
 def episode_seed(seed: int, iteration: int, index: int) -> int:
@@ -338,18 +362,22 @@ def prune_checkpoints(checkpoints: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def last_complete_checkpoint(checkpoints: Path, with_buffer: bool, at_most: int) -> Path | None:
-    """The newest `checkpoint-N` with N <= `at_most` (the run's iterations) whose side-cars were written.
+def last_complete_checkpoint(checkpoints: Path, with_buffer: bool, settings: RLSettings) -> Path | None:
+    """The newest `checkpoint-N` whose side-cars were written and whose N iterations this run plays
+    (`iterations_allowed`).
 
     Newer ones are removed: a crash mid-save left them, or they belong to a longer run than this one (a run cut to
     fewer iterations must not finish past its length, nor sim-to-real past its budget of real transitions).
     """
     found = numbered_checkpoints(checkpoints)
     while found:
-        beyond = checkpoint_number(found[-1]) > at_most
-        if not beyond and sidecars_complete(found[-1], with_buffer):
+        complete = sidecars_complete(found[-1], with_buffer)
+        beyond = complete and checkpoint_number(found[-1]) > iterations_allowed(settings,
+                                                                                read_iteration_log(found[-1]) or [])
+        if complete and not beyond:
             return found[-1]
-        log.warning("removing %s: %s", found[-1], "beyond this run's length" if beyond else "incomplete (a crash)")
+        log.warning("removing %s: %s", found[-1], "beyond this run's length or budget" if beyond
+                    else "incomplete (a crash)")
         shutil.rmtree(found.pop())
     return None
 
@@ -359,14 +387,14 @@ def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Cu
 
     The warm start counts by content when it is a local directory (a policy retrained in place is another warm
     start); `environment` is the caller's identity of where episodes come from (the simulator's model, buffer and
-    settings, or the real environments' settings). The run's length and checkpointing are left out: an iteration
-    does not depend on them (the learning rate is constant), so a run extended to more iterations resumes where it
-    stopped, and one cut to fewer resumes from its last checkpoint within the cut.
+    settings, or the real environments' settings). The run's length, budget and checkpointing are left out: an
+    iteration does not depend on them (the learning rate is constant), so a run extended to more iterations or a
+    larger budget resumes where it stopped, and one cut shorter resumes from its last checkpoint within the cut.
     """
     import hashlib
 
     what_an_iteration_does = {key: value for key, value in asdict(settings).items()
-                              if key not in ("iterations", "save_every", "save_total_limit")}
+                              if key not in ("iterations", "transition_budget", "save_every", "save_total_limit")}
     warm_start = directory_sha256(policy_model) if Path(policy_model).is_dir() else policy_model
     payload = json.dumps([what_an_iteration_does, warm_start, environment, [t.task_id for t in curriculum.base_tasks],
                           asdict(curriculum.settings), curriculum.clusters], sort_keys=True, default=str)
@@ -384,7 +412,7 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
     checkpoints = out_dir / "checkpoints"
     fingerprint = settings_fingerprint(settings, policy_model, curriculum, environment)
     discard_unless_stamped(checkpoints, fingerprint, checkpoints / "fingerprint.txt")
-    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None, at_most=settings.iterations)
+    resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None, settings=settings)
     rows: list[dict[str, Any]] = []
     if resume is not None:
         rows = load_sidecars(resume, buffer, curriculum)

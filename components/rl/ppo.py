@@ -38,11 +38,13 @@ from components.rl.loop import (
     CurveProbe,
     RLResult,
     RLSettings,
+    another_iteration_fits,
     checkpoint_number,
     iteration_record,
     keep_episodes,
     logged_seconds,
     play_iteration,
+    progress,
     prune_checkpoints,
     save_sidecars,
     save_trained_policy,
@@ -421,8 +423,9 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
         start = checkpoint_number(resume)
 
     started = time.monotonic()
-    for iteration in range(start, settings.iterations):
-        iteration_started = time.monotonic()
+    spent = sum(row["env_transitions"] for row in rows)  # every process: the resumed log's, then each iteration's
+    iteration = start
+    while another_iteration_fits(settings, iteration, spent):
         # Under a launcher each process plays its share of the iteration and trains on its share of all of it.
         episodes, stats, fields = play_iteration(model, tokenizer, make_batch, curriculum, generator, buffer, fmt,
                                                  settings, iteration)
@@ -431,27 +434,27 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
         # an episode an environment failure ended is not the policy's outcome: it takes no part in the update
         update = ppo_update(model, reference, value_head, optimizer, trainable(episodes), settings,
                             tokenizer.pad_token_id)
+        iteration, spent = iteration + 1, spent + fields["env_transitions"]
+        last = not another_iteration_fits(settings, iteration, spent)
         if not main:
             continue
-        rows.append(iteration_record(iteration + 1, episodes, stats, buffer, **fields,
+        rows.append(iteration_record(iteration, episodes, stats, buffer, **fields,
                                      optimisation_s=round(time.monotonic() - optimisation_started, 2), **update))
-        keep_episodes(checkpoints, iteration + 1, episodes)
+        keep_episodes(checkpoints, iteration, episodes)
         if curve is not None:
-            rows[-1].update(curve.point(model, tokenizer, iteration + 1, settings.iterations))
+            rows[-1].update(curve.point(model, tokenizer, iteration, last))
 
-        row, done = rows[-1], iteration + 1 - start
-        seconds = time.monotonic() - iteration_started
-        eta = (time.monotonic() - started) / done * (settings.iterations - iteration - 1)
-        log.info("iteration %d/%d reward %.3f success %.2f kl %s held-out %s | %.0fs/iteration, ETA %.0fs",
-                 iteration + 1, settings.iterations, row["reward_mean"], row["success_rate"], row.get("kl", "n/a"),
-                 row.get("heldout_success", "-"), seconds, eta)
-        if (iteration + 1) % settings.save_every == 0 or iteration + 1 == settings.iterations:
-            save_checkpoint(checkpoints / f"checkpoint-{iteration + 1}", model, value_head, optimizer, buffer, rows,
+        row, done = rows[-1], iteration - start
+        where, pace = progress(settings, iteration, spent, (time.monotonic() - started) / done)
+        log.info("iteration %s reward %.3f success %.2f kl %s held-out %s | %s", where, row["reward_mean"],
+                 row["success_rate"], row.get("kl", "n/a"), row.get("heldout_success", "-"), pace)
+        if iteration % settings.save_every == 0 or last:
+            save_checkpoint(checkpoints / f"checkpoint-{iteration}", model, value_head, optimizer, buffer, rows,
                             curriculum)
             prune_checkpoints(checkpoints, settings.save_total_limit)
 
     trained = model.merge_and_unload() if settings.lora is not None else model
     model_dir = save_trained_policy(trained, tokenizer, out_dir, rows) if main else out_dir / "model"
     distributed.wait_for_everyone()
-    return RLResult(model_dir, settings.iterations, str(resume) if resume else None, rows,
+    return RLResult(model_dir, iteration, str(resume) if resume else None, rows,
                     earlier_seconds + time.monotonic() - started)
