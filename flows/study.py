@@ -17,7 +17,10 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -59,38 +62,70 @@ ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by flow run, 
 
 
 def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> list[str]:
-    """`dvc exp run` with the overrides, up to `target`; without the stage the run needs nothing from
-    (`study.stage_not_needed`) when its outputs are there: then the stages before `target` are named one by one in
-    DVC's order (`--single-item`), each still run when it changed."""
+    """`dvc exp run` with the overrides, up to `target`; without the stages the run needs nothing from
+    (`study.stages_not_needed`): then the stages `target` needs without them are named one by one in DVC's order
+    (`--single-item`), each still run when it changed, and the outputs they depend on must be there (`stand_ins`)."""
     sets = [f"--set-param={key}={json.dumps(value)}" for key, value in overrides.items()]
-    stages = stages_without(target, skipped, cwd) if (skipped := study.stage_not_needed(overrides, target)) else None
-    return ["dvc", "exp", "run", *sets, *(["--single-item", *stages] if stages else [target])]
+    skipped = study.stages_not_needed(overrides, target)
+    return ["dvc", "exp", "run", *sets,
+            *(["--single-item", *stages_without(target, skipped, cwd)] if skipped else [target])]
 
 
-def stages_without(target: str, skipped: str, cwd: str | Path | None = None) -> list[str] | None:
+def stages_without(target: str, skipped: tuple[str, ...], cwd: str | Path | None = None) -> list[str]:
     """The pipeline stages `target` needs, itself last, in the order DVC runs them, leaving out `skipped` and what
-    only it needs; None when `skipped`'s outputs are not in the workspace (its dependents would miss them)."""
+    only they need."""
     import networkx as nx
-    from dvc.repo import Repo
 
-    with Repo(str(cwd or ".")) as repo:
-        graph = repo.index.graph.copy()  # a stage -> the stages it depends on
-        stages = {getattr(stage, "name", None): stage for stage in graph.nodes}
-        if not all(out.exists for out in stages[skipped].outs):
-            return None
-        graph.remove_node(stages[skipped])
+    with _pipeline(cwd) as (graph, stages):
+        graph.remove_nodes_from(stages[name] for name in skipped)
         return [stage.name for stage in nx.dfs_postorder_nodes(graph, stages[target]) if getattr(stage, "cmd", None)]
 
 
-def restore_unneeded_outputs(overrides: dict, target: str, cwd: str | Path) -> str | None:
-    """Check out, from the shared DVC cache, the outputs of the stage the row needs nothing from
-    (`study.stage_not_needed`) in a fresh workspace, which holds only data.dvc's: then `run_command` can leave the
-    stage out. Where the cache lacks them the row runs it; then why the checkout failed, else None."""
-    if not (skipped := study.stage_not_needed(overrides, target)):
-        return None
-    done = subprocess.run(["dvc", "checkout", "--quiet", skipped], cwd=cwd, capture_output=True, text=True)
-    why = (done.stderr or done.stdout).strip()[-500:]
-    return None if done.returncode == 0 else f"`dvc checkout {skipped}` failed, so the row runs {skipped} too: {why}"
+def unneeded_dependencies(skipped: tuple[str, ...], target: str, cwd: str | Path | None = None) -> list[str]:
+    """The outputs of the `skipped` stages that the stages run without them depend on (as dvc.yaml names them)."""
+    kept = stages_without(target, skipped, cwd)
+    with _pipeline(cwd) as (_, stages):
+        outputs = {out.def_path for name in skipped for out in stages[name].outs}
+        return sorted({dep.def_path for name in kept for dep in stages[name].deps} & outputs)
+
+
+@contextmanager
+def _pipeline(cwd: str | Path | None) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """DVC's stage graph (a stage -> the stages it depends on; a copy) and its stages by name."""
+    from dvc.repo import Repo
+
+    with Repo(str(cwd or ".")) as repo:
+        graph = repo.index.graph.copy()
+        yield graph, {getattr(stage, "name", None): stage for stage in graph.nodes}
+
+
+@contextmanager
+def stand_ins(overrides: dict, target: str, cwd: str | Path | None = None) -> Iterator[list[Path]]:
+    """While a row runs without the stages it needs nothing from (`study.stages_not_needed`): a stand-in for each of
+    their outputs that a stage it runs depends on and that is missing (a fresh workspace's), since DVC refuses to run
+    a stage with a missing dependency; a directory with NOT_RUN.md, a JSON file `{"not_run": why}` or a note. Removed
+    afterwards: they are no stage's output, and a later row that needs the stage runs it. Yields what it made."""
+    skipped = study.stages_not_needed(overrides, target)
+    why = (f"not run: this row needs nothing of {' or '.join(skipped)} (study.stages_not_needed); a stand-in, so "
+           "that DVC finds the dependency it declares")
+    made = []
+    try:
+        for name in unneeded_dependencies(skipped, target, cwd) if skipped else []:
+            path = Path(cwd or ".") / name
+            if path.exists():
+                continue
+            made.append(path)
+            if not path.suffix:
+                path.mkdir(parents=True)
+                (path / "NOT_RUN.md").write_text(why + "\n", encoding="utf-8")
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"not_run": why}) if path.suffix == ".json" else why + "\n",
+                                encoding="utf-8")
+        yield made
+    finally:
+        for path in made:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def results_folder(run_dir: Path, name: str) -> Path:
@@ -117,7 +152,8 @@ def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, c
     its experience model in a run of its own (`study.scoring_overrides`: fallbacks measured, not a reason to stop),
     so that its failing loses none of the row's evaluation; why the model was not scored, or None. Rows sharing an
     experience model score it once: DVC restores the others from its run cache."""
-    run_logged(run_command(overrides, target, cwd), cwd=cwd)
+    with stand_ins(overrides, target, cwd):
+        run_logged(run_command(overrides, target, cwd), cwd=cwd)
     if not measures_simulator:
         return None
     try:
@@ -160,8 +196,6 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
     returned to the study. The workspace is removed after a run that finished, kept after one that failed."""
     workspace = make_workspace(".", commit, ROW_WORKSPACES / str(flow_run.id), state)
-    if failed := restore_unneeded_outputs(overrides, target, workspace):
-        get_run_logger().warning("%s: %s", name, failed)
     get_run_logger().info("%s: running in %s", name, workspace)
     started = time.monotonic()
     not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)

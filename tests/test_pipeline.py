@@ -548,17 +548,19 @@ def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(t
     assert run("git", "show", ":params.yaml", cwd=tmp_path).stdout == "seed: 2\n"
 
 
-def test_a_real_environment_row_does_not_rerun_synthetic_rl_whose_code_changed(tmp_path, monkeypatch):
+def test_a_real_environment_row_runs_without_synthetic_rl_even_where_its_output_is_missing(tmp_path, monkeypatch):
     """A real-environment row's policy never meets synthetic RL, but sim_to_real depends on its output, so DVC reran
-    it (49 minutes of a cpu row) whenever its code had changed since. The row's `dvc exp run` names the other stages
-    one by one instead, each still run when it changed; with synthetic RL's output missing, it runs the whole way."""
-    from flows.study import restore_unneeded_outputs, run_command
+    it whenever its code had changed since, and a fresh workspace ran it whole. The row's `dvc exp run` names the
+    other stages one by one instead, each still run when it changed; where synthetic RL's output is missing, a
+    stand-in takes its place while the row runs."""
+    from flows.study import run_command, stand_ins
 
     (tmp_path / "dvc.yaml").write_text("""stages:
   train_policy_sft: {cmd: cat params.yaml > sft.txt, params: [seed], outs: [sft.txt]}
-  synthetic_rl: {cmd: cat sft.txt rl_code.txt > rl.txt, deps: [sft.txt, rl_code.txt], outs: [rl.txt]}
+  synthetic_rl: {cmd: cat sft.txt rl_code.txt > rl.txt && date > rl_log.txt, deps: [sft.txt, rl_code.txt],
+                 outs: [rl.txt, rl_log.txt]}
   sim_to_real: {cmd: cat sft.txt > s2r.txt, deps: [sft.txt, rl.txt], params: [sim_to_real], outs: [s2r.txt]}
-  evaluate_policies: {cmd: cat s2r.txt rl.txt > eval.txt, deps: [s2r.txt, rl.txt], params: [evaluate], outs: [eval.txt]}
+  evaluate_policies: {cmd: cat s2r.txt > eval.txt, deps: [s2r.txt, rl.txt], params: [evaluate], outs: [eval.txt]}
 """)
     (tmp_path / "params.yaml").write_text("seed: 0\nsim_to_real: {start_from: synthetic_rl}\n"
                                           "evaluate: {policies: [sim_to_real, synthetic_rl]}\n")
@@ -574,22 +576,26 @@ def test_a_real_environment_row_does_not_rerun_synthetic_rl_whose_code_changed(t
     command = run_command(real_row, "evaluate_policies", tmp_path)
     assert command[command.index("--single-item"):] == ["--single-item", "train_policy_sft", "sim_to_real",
                                                          "evaluate_policies"]
-    ran = run(*command, cwd=tmp_path).stdout
+    with stand_ins(real_row, "evaluate_policies", tmp_path) as made:
+        assert made == []  # synthetic RL's output is there: nothing to stand in for
+        ran = run(*command, cwd=tmp_path).stdout
     assert "Running stage 'train_policy_sft'" in ran and "Running stage 'evaluate_policies'" in ran  # seed changed
     assert "synthetic_rl" not in ran and (tmp_path / "rl.txt").read_text().endswith("v1\n")  # not run again
-    # a DreamGym row needs synthetic RL: it runs the whole way, and so does any row once synthetic RL's output is gone
+    # a DreamGym row needs synthetic RL: it runs the whole way, with no stand-in
     assert run_command({"seed": 1}, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
+    with stand_ins({"seed": 1}, "evaluate_policies", tmp_path) as made:
+        assert made == []
+    # a fresh workspace lacks synthetic RL's output: a stand-in for what the row's stages depend on (rl.txt, not
+    # rl_log.txt) while it runs, gone afterwards
     (tmp_path / "rl.txt").unlink()
-    assert run_command(real_row, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
-    # a work pool's fresh workspace lacks it too: the row checks it out of the shared cache first, and leaves it out
-    assert restore_unneeded_outputs(real_row, "evaluate_policies", tmp_path) is None
-    assert (tmp_path / "rl.txt").read_text().endswith("v1\n")
-    assert "--single-item" in run_command(real_row, "evaluate_policies", tmp_path)
-    assert restore_unneeded_outputs({"seed": 1}, "evaluate_policies", tmp_path) is None  # a DreamGym row: nothing
-    shutil.rmtree(tmp_path / ".dvc" / "cache")  # a cache without them: the row runs synthetic RL, and says why
-    (tmp_path / "rl.txt").unlink()
-    assert "`dvc checkout synthetic_rl` failed, so the row runs synthetic_rl too" in restore_unneeded_outputs(
-        real_row, "evaluate_policies", tmp_path)
+    (tmp_path / "params.yaml").write_text("seed: 2\nsim_to_real: {start_from: synthetic_rl}\n"
+                                          "evaluate: {policies: [sim_to_real, synthetic_rl]}\n")
+    with stand_ins({**real_row, "seed": 2}, "evaluate_policies", tmp_path) as made:
+        assert made == [tmp_path / "rl.txt"]
+        assert "not run: this row needs nothing of synthetic_rl" in made[0].read_text()
+        ran = run(*run_command({**real_row, "seed": 2}, "evaluate_policies", tmp_path), cwd=tmp_path).stdout
+    assert "Running stage 'evaluate_policies'" in ran and "synthetic_rl" not in ran
+    assert not (tmp_path / "rl.txt").exists() and (tmp_path / "eval.txt").read_text().startswith("seed: 2")
 
 
 def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):

@@ -29,7 +29,7 @@ from components.results.study import (
     select_rows,
     select_variants,
     sign_test,
-    stage_not_needed,
+    stages_not_needed,
     success_plot,
     untested_reasons,
     variants,
@@ -313,10 +313,17 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     assert {v.name: v.measures_simulator for v in variants(("grpo",))} == {
         "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False, "no-curriculum": True,
         "no-retrieval": True, "no-reasoning": True, "s2r-correction": False}
-    # and the real-environment rows alone need nothing of synthetic RL (flows.study.run_command leaves it out)
-    assert {v.name: stage_not_needed(run_overrides(v, 0, 700, 0.1, 3, 28), v.target) for v in variants(("grpo",))} \
-        == {"dreamgym-grpo": None, "real-grpo": "synthetic_rl", "real-grpo-s2r-budget": "synthetic_rl",
-            "no-curriculum": None, "no-retrieval": None, "no-reasoning": None, "s2r-correction": None}
+    # and the real-environment rows alone need nothing of synthetic RL, nor of the experience model where every
+    # environment they play is a real one (flows.study.run_command leaves them out)
+    real = ("synthetic_rl", "train_experience_model")
+    assert {v.name: stages_not_needed(run_overrides(v, 0, 700, 0.1, 3, 28, "miniwob"), v.target)
+            for v in variants(("grpo",))} == {
+        "dreamgym-grpo": (), "real-grpo": real, "real-grpo-s2r-budget": real, "no-curriculum": (), "no-retrieval": (),
+        "no-reasoning": (), "s2r-correction": ()}
+    real_row = run_overrides(variants(("grpo",))[1], 0, 700, 0.1)
+    assert stages_not_needed({**real_row, "policy.environments": ["miniwob", "webshop"]}, "evaluate_policies") == \
+        ("synthetic_rl",)  # a seed-only domain's held-out games are played inside the experience model
+    assert stages_not_needed(real_row, "evaluate_policies") == ("synthetic_rl",)  # environments not named
     tw = "textworld-cooking"
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()

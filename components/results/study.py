@@ -27,6 +27,7 @@ from typing import Any
 
 from components.config import ParamsError
 from components.data.contract import append_records, read_records
+from components.envs.registry import has_adapter
 from components.files import atomic_directory
 from components.reports import (
     GAMES_FILE,
@@ -147,13 +148,20 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
     return overrides
 
 
-def stage_not_needed(overrides: dict[str, Any], target: str) -> str | None:
-    """The pipeline stage a run with these overrides needs nothing from: synthetic RL for a real-environment row
-    (sim-to-real from the warm start, no synthetic-RL policy evaluated). DVC would still rerun it whenever its code
-    changed since it last ran, as its output is a dependency of sim_to_real's (about 49 minutes of a cpu row)."""
+def stages_not_needed(overrides: dict[str, Any], target: str) -> tuple[str, ...]:
+    """The pipeline stages a run with these overrides needs nothing from, though DVC's graph has the stages it runs
+    depend on their outputs: for a real-environment row (sim-to-real from the warm start, no synthetic-RL policy
+    evaluated), synthetic RL and, where every environment it plays has a real adapter (none is a seed-only domain,
+    whose held-out games are played inside the experience model), the experience model's training. flows.study
+    leaves them out and stands in for their outputs while the row runs."""
     real_only = (overrides.get("sim_to_real.start_from") == "sft"
                  and "synthetic_rl" not in overrides.get("evaluate.policies", ["synthetic_rl"]))
-    return "synthetic_rl" if target == "evaluate_policies" and real_only else None
+    if target != "evaluate_policies" or not real_only:
+        return ()
+    environments = overrides.get("policy.environments")
+    if environments and all(has_adapter(name) for name in environments):
+        return "synthetic_rl", EXPERIENCE_STAGE
+    return ("synthetic_rl",)
 
 
 def scoring_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -409,32 +417,39 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     @property
     def uses_synthetic_rl(self) -> bool:
         """Whether a policy this run stands for descends from its synthetic RL (a real-only baseline's does not,
-        though its pipeline ran synthetic RL too)."""
+        though a run kept before `stages_not_needed` left it out ran synthetic RL too)."""
         return any(self.from_synthetic_rl(label) for label in self.variant.rows)
 
     @property
+    def not_needed(self) -> tuple[str, ...]:
+        """The stages its row needs nothing from (`stages_not_needed`), which a fresh machine does not run for it."""
+        return stages_not_needed(self.record.get("params_set", {}), self.variant.target)
+
+    @property
     def from_scratch_seconds(self) -> float | None:
-        """What its pipeline costs with nothing cached: the time each of its stages took when it ran (experience
+        """What its pipeline costs with nothing cached: the time each stage its row needs took when it ran (experience
         model, warm start, synthetic RL, sim-to-real, the held-out games and the experience model's scoring),
-        whichever run ran it (a real-environment row's too: on a fresh machine it runs synthetic RL, whose outputs
-        its stages depend on, see `stage_not_needed`). None for a run kept without the upstream stages' metrics
-        (UPSTREAM_FILES), and for a correction run, which keeps its last round's stages but not those of the pipeline
-        its rounds start from."""
+        whichever run ran it; a real-environment row's leaves out synthetic RL and the experience model, which
+        `stages_not_needed` spares it (a run kept before that counts them in its wall time, not here). None for a
+        run kept without the upstream stages' metrics (UPSTREAM_FILES), and for a correction run, which keeps its last
+        round's stages but not those of the pipeline its rounds start from."""
         shared = self.shared_seconds
         if shared is None:
             return None
-        return sum(shared.values()) + self.synthetic_rl.get("seconds", 0.0) + self.sim_to_real.get("seconds", 0.0) \
+        synthetic = 0.0 if "synthetic_rl" in self.not_needed else self.synthetic_rl.get("seconds", 0.0)
+        return sum(shared.values()) + synthetic + self.sim_to_real.get("seconds", 0.0) \
             + self.simulator.get("seconds", 0.0) + sum(
             entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
             for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)
 
     @property
     def shared_seconds(self) -> dict[str, float] | None:
-        """The time of each stage that other rows of its environment and seed can share (UPSTREAM_FILES, by stage:
-        the experience model, shared by rows that set no experience_model param, and the warm start, by all), which
-        DVC's run cache runs once in one workspace; None where not kept."""
+        """The time of each stage that other rows of its environment and seed can share and its row needs
+        (UPSTREAM_FILES, by stage: the experience model, shared by rows that set no experience_model param, and the
+        warm start, by all), which DVC's run cache runs once in one workspace; None where not kept."""
         seconds = {name.removesuffix(".json"): kept.get("seconds") for name, kept in zip(UPSTREAM_FILES, self.upstream,
-                                                                                          strict=True)}
+                                                                                          strict=True)
+                   if name.removesuffix(".json") not in self.not_needed}
         return None if None in seconds.values() or self.correction else seconds
 
     @property
