@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 @contextmanager
@@ -75,3 +77,10 @@ def discard_unless_stamped(path: Path, fingerprint: str, stamp: Path) -> bool:
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(fingerprint + "\n")
     return discard
+
+
+def fingerprint(values: Any, sources: Iterable[Path] = ()) -> str:
+    """The sha256 of `values` (as JSON, keys sorted, other objects as their str) and of each source file's bytes: what
+    a piece of resumable work is made from, so that only the same work resumes it."""
+    payload = json.dumps([values, [sha256_file(Path(source)) for source in sources]], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()

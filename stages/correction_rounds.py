@@ -23,7 +23,6 @@ back from its file, so every process computes the same rows.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -37,7 +36,7 @@ from components.data.contract import ON_POLICY, TRAJECTORIES, is_heldout_game, r
 from components.data.onboarding import onboard
 from components.data.validation import Limits
 from components.envs.registry import has_adapter
-from components.files import directory_sha256, discard_unless_stamped, sha256_file
+from components.files import directory_sha256, discard_unless_stamped, fingerprint, sha256_file
 from components.reports import GAMES_FILE, line_plot, markdown_table, metrics_path, write_csv, write_stage_outputs
 from components.results.study import read_games, sign_test
 from stages import (
@@ -77,13 +76,13 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          "lower those")
     raw = params.model_dump()
     current = {key: root / get_dotted(raw, section) for key, section in READ_FROM.items()}
-    fingerprint = _fingerprint(raw, current)
+    stamp = _fingerprint(raw, current)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for number in range(1, settings.rounds + 1):
         round_dir = round_path(params, root, number)
         with distributed.main_process_first():
-            if main and discard_unless_stamped(round_dir, f"{fingerprint} round {number}", round_dir / "STAMP"):
+            if main and discard_unless_stamped(round_dir, f"{stamp} round {number}", round_dir / "STAMP"):
                 log.info("round %d: discarded work of other settings or inputs", number)
         finished = round_dir / ROUND_FILE
         if finished.is_file():
@@ -301,7 +300,7 @@ def _fingerprint(raw: dict[str, Any], inputs: dict[str, Path]) -> str:
     content = {key: directory_sha256(path / "model") if (path / "model").is_dir() else
                sha256_file(path / TRAJECTORIES) if (path / TRAJECTORIES).is_file() else directory_sha256(path)
                for key, path in inputs.items()}
-    return hashlib.sha256(json.dumps([sections, content], sort_keys=True, default=str).encode()).hexdigest()
+    return fingerprint([sections, content])
 
 
 def _replace_dir(source: Path, target: Path) -> None:

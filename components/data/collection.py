@@ -14,8 +14,6 @@ ENV_FAILURE_ATTEMPTS times in all, then left out. The run's failed plays are kep
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import random
 import time
 import zlib
@@ -27,7 +25,7 @@ from components.data.contract import Trajectory, append_records, read_journal, w
 from components.envs.base import check_not_all_failed, env_failure
 from components.envs.episode import run_episode
 from components.envs.registry import has_adapter, real_environment
-from components.files import discard_unless_stamped, sha256_file
+from components.files import discard_unless_stamped, fingerprint
 
 SOURCE_OF = {"expert": "expert", "noisy_expert": "policy", "skipping_expert": "policy", "random": "random"}
 ENV_FAILURE_ATTEMPTS = 3  # plays of one episode that environment failures may end before it is left out
@@ -111,9 +109,7 @@ def collect_environment(params, environment: str, out_path: Path, progress_path:
 
 def _fingerprint(params) -> str:
     sources = [Path(__file__), *sorted((Path(__file__).parents[1] / "envs").glob("*.py"))]
-    payload = json.dumps([params.seed, params.environments.model_dump(), params.collect_seed.model_dump(),
-                          [sha256_file(source) for source in sources]], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    return fingerprint([params.seed, params.environments.model_dump(), params.collect_seed.model_dump()], sources)
 
 
 def _load_progress(path: Path, fingerprint: str) -> dict[str, Trajectory]:

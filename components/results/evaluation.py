@@ -8,7 +8,6 @@ ended (a hung or dead engine or browser: `base.env_failure`) are not the policy'
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -25,7 +24,7 @@ from components.data.contract import SOURCES, Task, Trajectory, append_records, 
 from components.envs.base import Environment, Observation, Policy, check_not_all_failed, env_failure
 from components.envs.episode import run_episode
 from components.envs.registry import RealEnvironment, has_adapter, real_environment
-from components.files import discard_unless_stamped, sha256_file
+from components.files import discard_unless_stamped, fingerprint
 from components.reports import markdown_table
 from components.stats import wilson_interval
 
@@ -107,8 +106,8 @@ def evaluate_policy(kind: RealEnvironment, env_params: EnvironmentsParams, tasks
     if journal is not None:
         if distributed.world_size() > 1:
             journal = journal.with_name(f"{journal.stem}.rank{distributed.rank()}{journal.suffix}")
-        fingerprint = journal_fingerprint(kind, env_params, tasks, ids, max_steps, policy_identity)
-        discard_unless_stamped(journal, fingerprint, journal.with_suffix(".fingerprint"))
+        stamp = journal_fingerprint(kind, env_params, tasks, ids, max_steps, policy_identity)
+        discard_unless_stamped(journal, stamp, journal.with_suffix(".fingerprint"))
         position = {trajectory_id: index for index, trajectory_id in enumerate(ids)}
         for record in read_journal(journal):
             trajectories[position[record["trajectory"]["trajectory_id"]]] = Trajectory.from_dict(record["trajectory"])
@@ -209,9 +208,8 @@ def journal_fingerprint(kind: RealEnvironment, env_params: EnvironmentsParams, t
     code = Path(__file__).parents[1]
     sources = [Path(__file__), *sorted((code / "envs").glob("*.py")), code / "rl" / "policy.py",
                code / "llm" / "backends.py"]
-    payload = json.dumps([kind.name, env_params.model_dump(), [t.to_dict() for t in tasks], ids, max_steps,
-                          policy_identity, [sha256_file(source) for source in sources]], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    return fingerprint([kind.name, env_params.model_dump(), [t.to_dict() for t in tasks], ids, max_steps,
+                        policy_identity], sources)
 
 
 def summarize(environment: str, policy: str, trajectories: list[Trajectory], confidence: float,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from components import distributed
 from components.data.contract import Trajectory, append_records, read_records, write_records
 from components.envs.base import check_not_all_failed
-from components.files import atomic_directory, directory_sha256, discard_unless_stamped
+from components.files import atomic_directory, directory_sha256, discard_unless_stamped, fingerprint
 from components.llm.backends import stream_seed
 from components.llm.sft import LoraSettings, save_for_inference
 from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
@@ -391,14 +391,11 @@ def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Cu
     iteration does not depend on them (the learning rate is constant), so a run extended to more iterations or a
     larger budget resumes where it stopped, and one cut shorter resumes from its last checkpoint within the cut.
     """
-    import hashlib
-
     what_an_iteration_does = {key: value for key, value in asdict(settings).items()
                               if key not in ("iterations", "transition_budget", "save_every", "save_total_limit")}
     warm_start = directory_sha256(policy_model) if Path(policy_model).is_dir() else policy_model
-    payload = json.dumps([what_an_iteration_does, warm_start, environment, [t.task_id for t in curriculum.base_tasks],
-                          asdict(curriculum.settings), curriculum.clusters], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    return fingerprint([what_an_iteration_does, warm_start, environment, [t.task_id for t in curriculum.base_tasks],
+                        asdict(curriculum.settings), curriculum.clusters])
 
 
 def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | None, settings: RLSettings,
@@ -410,8 +407,8 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
     if len(tasks) < settings.tasks_per_iteration:
         raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
     checkpoints = out_dir / "checkpoints"
-    fingerprint = settings_fingerprint(settings, policy_model, curriculum, environment)
-    discard_unless_stamped(checkpoints, fingerprint, checkpoints / "fingerprint.txt")
+    stamp = settings_fingerprint(settings, policy_model, curriculum, environment)
+    discard_unless_stamped(checkpoints, stamp, checkpoints / "fingerprint.txt")
     resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None, settings=settings)
     rows: list[dict[str, Any]] = []
     if resume is not None:
