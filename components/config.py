@@ -517,9 +517,14 @@ def use_profile(profile: str | Path, params_path: str | Path = "params.yaml") ->
     A profile (profiles/NAME.yaml, or any path) maps dotted keys to values. The result is validated before anything
     is written, so a bad profile leaves params.yaml as it was. DVC then sees ordinary param changes.
     """
+    return write_params(profile_values(profile), params_path)
+
+
+def write_params(values: dict[str, Any], params_path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Write dotted keys' values into params.yaml, keeping its comments and order; return what changed. The result is
+    validated before anything is written, so bad values leave params.yaml as it was."""
     from ruamel.yaml import YAML
 
-    values = profile_values(profile)
     params_path = Path(params_path)
     current = load_params(params_path).model_dump()
     load_params(params_path, values)  # validates the result (ParamsError names the key)

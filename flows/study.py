@@ -26,7 +26,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from components.config import active_profile, load_params
+from components.config import active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
 from components.results import study
 from components.results.workspace import make_workspace, working_state
@@ -62,13 +62,15 @@ ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by flow run, 
 
 
 def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> list[str]:
-    """`dvc exp run` with the overrides, up to `target`; without the stages the run needs nothing from
-    (`study.stages_not_needed`): then the stages `target` needs without them are named one by one in DVC's order
-    (`--single-item`), each still run when it changed, and the outputs they depend on must be there (`stand_ins`)."""
-    sets = [f"--set-param={key}={json.dumps(value)}" for key, value in overrides.items()]
-    skipped = study.stages_not_needed(overrides, target)
-    return ["dvc", "exp", "run", *sets,
-            *(["--single-item", *stages_without(target, skipped, cwd)] if skipped else [target])]
+    """The row's DVC command up to `target`: `dvc exp run` with the overrides. A row that leaves out the stages it
+    needs nothing from (`study.stages_not_needed`) runs `dvc repro --single-item` of the stages `target` needs without
+    them, in DVC's order (each still run when it changed), on a params.yaml holding its overrides and with stand-ins
+    for their outputs (`run_row`): `dvc exp run` first checks out every output upstream of its targets, which removes
+    a stand-in, so that row is not recorded as a DVC experiment."""
+    if skipped := study.stages_not_needed(overrides, target):
+        return ["dvc", "repro", "--single-item", *stages_without(target, skipped, cwd)]
+    return ["dvc", "exp", "run", *[f"--set-param={key}={json.dumps(value)}" for key, value in overrides.items()],
+            target]
 
 
 def stages_without(target: str, skipped: tuple[str, ...], cwd: str | Path | None = None) -> list[str]:
@@ -108,24 +110,25 @@ def stand_ins(overrides: dict, target: str, cwd: str | Path | None = None) -> It
     skipped = study.stages_not_needed(overrides, target)
     why = (f"not run: this row needs nothing of {' or '.join(skipped)} (study.stages_not_needed); a stand-in, so "
            "that DVC finds the dependency it declares")
-    made = []
+    root, made = Path(cwd or ".").resolve(), []
     try:
         for name in unneeded_dependencies(skipped, target, cwd) if skipped else []:
-            path = Path(cwd or ".") / name
+            path = root / name
             if path.exists():
                 continue
             made.append(path)
-            if not path.suffix:
-                path.mkdir(parents=True)
-                (path / "NOT_RUN.md").write_text(why + "\n", encoding="utf-8")
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"not_run": why}) if path.suffix == ".json" else why + "\n",
-                                encoding="utf-8")
+            marker = path / "NOT_RUN.md" if not path.suffix else path
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"not_run": why}) if path.suffix == ".json" else why + "\n", encoding="utf-8")
         yield made
     finally:
-        for path in made:
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        for path in made:  # only what it wrote: never an output a stage made meanwhile
+            marker = path / "NOT_RUN.md" if not path.suffix else path
+            marker.unlink(missing_ok=True)
+            for folder in [path] * (not path.suffix) + list(path.parents):
+                if folder == root or not folder.is_dir() or any(folder.iterdir()):
+                    break
+                folder.rmdir()  # the folders it made, now empty
 
 
 def results_folder(run_dir: Path, name: str) -> Path:
@@ -152,6 +155,8 @@ def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, c
     its experience model in a run of its own (`study.scoring_overrides`: fallbacks measured, not a reason to stop),
     so that its failing loses none of the row's evaluation; why the model was not scored, or None. Rows sharing an
     experience model score it once: DVC restores the others from its run cache."""
+    if study.stages_not_needed(overrides, target):  # `dvc repro`: its overrides go into params.yaml first
+        write_params(overrides, Path(cwd or ".") / PARAMS)
     with stand_ins(overrides, target, cwd):
         run_logged(run_command(overrides, target, cwd), cwd=cwd)
     if not measures_simulator:
@@ -186,7 +191,8 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
         Path(PARAMS).write_text(original, encoding="utf-8")
         PARAMS_BACKUP.unlink(missing_ok=True)
     study.keep_run(run_dir, run_record(name, overrides, profile, started, simulator_not_scored=not_scored),
-                   evaluated_in=evaluated_in, simulator=measures_simulator and not not_scored)
+                   evaluated_in=evaluated_in, simulator=measures_simulator and not not_scored,
+                   not_needed=study.stages_not_needed(overrides, target))
 
 
 @flow(name="study_row", flow_run_name="{name}", persist_result=True)
@@ -200,7 +206,7 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     started = time.monotonic()
     not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
     files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
-                               measures_simulator and not not_scored),
+                               measures_simulator and not not_scored, study.stages_not_needed(overrides, target)),
              study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, started, workspace, not_scored),
                                           indent=2, sort_keys=True) + "\n"}
     shutil.rmtree(workspace)

@@ -14,7 +14,14 @@ from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl.curriculum import Curriculum
 from components.rl.grpo import train_grpo
-from components.rl.loop import CURRICULUM_FILE, LOG_FILE, kept_episodes, read_iteration_log, sidecars_complete
+from components.rl.loop import (
+    CURRICULUM_FILE,
+    LOG_FILE,
+    kept_episodes,
+    progress,
+    read_iteration_log,
+    sidecars_complete,
+)
 from components.rl.rollouts import SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
@@ -144,6 +151,17 @@ def test_a_transition_budget_plays_iterations_while_their_worst_case_fits_and_re
     cut = train(12)  # the third iteration started with 8 left of 16, but with 4 of 12: only 2 are this run's
     assert cut.resumed_from is None and len(cut.log) == 2
     assert sum(row["env_transitions"] for row in cut.log) == 8
+    with pytest.raises(ValueError, match="a transition budget of 7 pays for no iteration"):
+        train(7)
+
+
+def test_a_budgeted_runs_progress_line_counts_the_iterations_its_mean_spending_leaves():
+    settings = replace(SETTINGS, iterations=100, transition_budget=70, max_turns=7)  # worst case 4 x 7 = 28
+    # 6 spent in 1 iteration: the next one, then more while 28 fit in what is left at 6 an iteration,
+    # (70 - 6 - 28) // 6 = 6 more: 7 in all
+    assert progress(settings, 1, 6, 10.0) == ("1/100 (6/70 transitions)", "10s/iteration, ETA 70s")
+    assert progress(settings, 8, 48, 10.0)[1] == "10s/iteration, ETA 0s"  # 22 left: no worst case fits
+    assert progress(replace(settings, transition_budget=None), 1, 6, 10.0) == ("1/100", "10s/iteration, ETA 990s")
 
 
 def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(policy_dir, tmp_path):

@@ -550,20 +550,24 @@ def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(t
 
 def test_a_real_environment_row_runs_without_synthetic_rl_even_where_its_output_is_missing(tmp_path, monkeypatch):
     """A real-environment row's policy never meets synthetic RL, but sim_to_real depends on its output, so DVC reran
-    it whenever its code had changed since, and a fresh workspace ran it whole. The row's `dvc exp run` names the
-    other stages one by one instead, each still run when it changed; where synthetic RL's output is missing, a
-    stand-in takes its place while the row runs."""
+    it whenever its code had changed since, and a fresh workspace ran it whole. The row runs `dvc repro` of the other
+    stages one by one instead, each still run when it changed; where synthetic RL's output is missing (and not in
+    DVC's cache, which `dvc exp run` would check out over a stand-in), a stand-in takes its place while the row
+    runs."""
     from flows.study import run_command, stand_ins
 
     (tmp_path / "dvc.yaml").write_text("""stages:
   train_policy_sft: {cmd: cat params.yaml > sft.txt, params: [seed], outs: [sft.txt]}
-  synthetic_rl: {cmd: cat sft.txt rl_code.txt > rl.txt && date > rl_log.txt, deps: [sft.txt, rl_code.txt],
-                 outs: [rl.txt, rl_log.txt]}
-  sim_to_real: {cmd: cat sft.txt > s2r.txt, deps: [sft.txt, rl.txt], params: [sim_to_real], outs: [s2r.txt]}
-  evaluate_policies: {cmd: cat s2r.txt > eval.txt, deps: [s2r.txt, rl.txt], params: [evaluate], outs: [eval.txt]}
+  synthetic_rl: {cmd: mkdir -p rl && cat sft.txt rl_code.txt > rl/model.txt && date > rl_log.txt,
+                 deps: [sft.txt, rl_code.txt], outs: [rl, rl_log.txt]}
+  sim_to_real: {cmd: cat sft.txt > s2r.txt, deps: [sft.txt, rl], params: [sim_to_real], outs: [s2r.txt]}
+  evaluate_policies: {cmd: cat s2r.txt > eval.txt, deps: [s2r.txt, rl], params: [evaluate], outs: [eval.txt]}
 """)
-    (tmp_path / "params.yaml").write_text("seed: 0\nsim_to_real: {start_from: synthetic_rl}\n"
-                                          "evaluate: {policies: [sim_to_real, synthetic_rl]}\n")
+
+    def params(seed, start_from="synthetic_rl", policies="[sim_to_real, synthetic_rl]"):
+        (tmp_path / "params.yaml").write_text(f"seed: {seed}\nsim_to_real: {{start_from: {start_from}}}\n"
+                                              f"evaluate: {{policies: {policies}}}\n")
+    params(0)
     (tmp_path / "rl_code.txt").write_text("v1\n")
     run("git", "init", "-q", cwd=tmp_path)
     run("dvc", "init", "-q", cwd=tmp_path)
@@ -574,28 +578,28 @@ def test_a_real_environment_row_runs_without_synthetic_rl_even_where_its_output_
     real_row = {"seed": 1, "sim_to_real.start_from": "sft", "evaluate.policies": ["sim_to_real"]}
 
     command = run_command(real_row, "evaluate_policies", tmp_path)
-    assert command[command.index("--single-item"):] == ["--single-item", "train_policy_sft", "sim_to_real",
-                                                         "evaluate_policies"]
+    assert command == ["dvc", "repro", "--single-item", "train_policy_sft", "sim_to_real", "evaluate_policies"]
+    params(1, "sft", "[sim_to_real]")  # what flows.study.run_row writes first (components.config.write_params)
     with stand_ins(real_row, "evaluate_policies", tmp_path) as made:
         assert made == []  # synthetic RL's output is there: nothing to stand in for
         ran = run(*command, cwd=tmp_path).stdout
     assert "Running stage 'train_policy_sft'" in ran and "Running stage 'evaluate_policies'" in ran  # seed changed
-    assert "synthetic_rl" not in ran and (tmp_path / "rl.txt").read_text().endswith("v1\n")  # not run again
-    # a DreamGym row needs synthetic RL: it runs the whole way, with no stand-in
-    assert run_command({"seed": 1}, "evaluate_policies", tmp_path)[-1] == "evaluate_policies"
+    assert "synthetic_rl" not in ran and (tmp_path / "rl" / "model.txt").read_text().endswith("v1\n")  # not rerun
+    # a DreamGym row needs synthetic RL: `dvc exp run` the whole way, with no stand-in
+    assert run_command({"seed": 1}, "evaluate_policies", tmp_path)[:3] == ["dvc", "exp", "run"]
     with stand_ins({"seed": 1}, "evaluate_policies", tmp_path) as made:
         assert made == []
-    # a fresh workspace lacks synthetic RL's output: a stand-in for what the row's stages depend on (rl.txt, not
-    # rl_log.txt) while it runs, gone afterwards
-    (tmp_path / "rl.txt").unlink()
-    (tmp_path / "params.yaml").write_text("seed: 2\nsim_to_real: {start_from: synthetic_rl}\n"
-                                          "evaluate: {policies: [sim_to_real, synthetic_rl]}\n")
+    # a fresh workspace: synthetic RL's output is neither there nor in the cache. A stand-in for what the row's
+    # stages depend on (rl, not rl_log.txt) while it runs, gone afterwards with the folder it made
+    shutil.rmtree(tmp_path / "rl")
+    shutil.rmtree(tmp_path / ".dvc" / "cache")
+    params(2, "sft", "[sim_to_real]")
     with stand_ins({**real_row, "seed": 2}, "evaluate_policies", tmp_path) as made:
-        assert made == [tmp_path / "rl.txt"]
-        assert "not run: this row needs nothing of synthetic_rl" in made[0].read_text()
+        assert made == [tmp_path / "rl"]
+        assert "not run: this row needs nothing of synthetic_rl" in (tmp_path / "rl" / "NOT_RUN.md").read_text()
         ran = run(*run_command({**real_row, "seed": 2}, "evaluate_policies", tmp_path), cwd=tmp_path).stdout
     assert "Running stage 'evaluate_policies'" in ran and "synthetic_rl" not in ran
-    assert not (tmp_path / "rl.txt").exists() and (tmp_path / "eval.txt").read_text().startswith("seed: 2")
+    assert not (tmp_path / "rl").exists() and (tmp_path / "eval.txt").read_text().startswith("seed: 2")
 
 
 def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_round(project, tiny_model_dir):

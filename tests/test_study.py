@@ -287,8 +287,8 @@ def test_a_superseded_run_leaves_the_results_keeps_its_numbers_and_cost_and_is_r
     assert main([*params, "study", "supersede", row]) == 2
     assert "superseding a run needs a reason (--reason)" in capsys.readouterr().err
     assert main([*params, "study", "supersede", f"{tw}/real-ppo-seed0", "--reason", "x"]) == 2
-    assert f"no finished run of that name to supersede; the finished ones are {tw}/dreamgym-grpo-seed0, {row}" \
-        in capsys.readouterr().err
+    assert f"{tw}/real-ppo-seed0: no finished run of that name in {results} to supersede; the finished ones are " \
+        f"{tw}/dreamgym-grpo-seed0, {row}" in capsys.readouterr().err
     assert main([*params, "study", "supersede", row, "--reason", "sim-to-real now plans iterations adaptively"]) == 0
 
     assert [run.name for run in finished_runs(results)] == [f"{tw}/dreamgym-grpo-seed0"]

@@ -281,10 +281,11 @@ def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
 
 
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
-             evaluated_in: str | Path | None = None, simulator: bool = False) -> Path:
+             evaluated_in: str | Path | None = None, simulator: bool = False, not_needed: tuple[str, ...] = ()
+             ) -> Path:
     """Keep a finished run's files (`run_files`) and its record in `run_dir`, whole or not at all (a rerun replaces
     it)."""
-    return keep_files(run_dir, {**run_files(root, evaluated_in, simulator),
+    return keep_files(run_dir, {**run_files(root, evaluated_in, simulator, not_needed),
                                 RUN_RECORD: json.dumps(record, indent=2, sort_keys=True) + "\n"})
 
 
@@ -303,16 +304,18 @@ def read_failures(results_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
-def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None, simulator: bool = False
-              ) -> dict[str, str]:
+def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None, simulator: bool = False,
+              not_needed: tuple[str, ...] = ()) -> dict[str, str]:
     """A finished run's RUN_FILES and its games (GAMES_FILE), by name, from the stage root that evaluated its
     policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too),
     and `root`'s UPSTREAM_FILES, and SIMULATOR_FILE when the run scored its experience model (`simulator`: the file
-    left by another run would not be this run's)."""
+    left by another run would not be this run's); none of the stages it did not run (`not_needed`:
+    `stages_not_needed`), whose files there are another run's."""
     sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
     sources += [Path(root) / "metrics" / name for name in (*UPSTREAM_FILES, *[SIMULATOR_FILE] * simulator)]
     sources += [Path(root) / "metrics" / CORRECTION_FILE] if evaluated_in is not None else []
-    return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()}
+    return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()
+            and not any(source.name in (f"{stage}.json", f"{stage}_iterations.csv") for stage in not_needed)}
 
 
 def keep_files(run_dir: str | Path, files: dict[str, str]) -> Path:
@@ -335,19 +338,18 @@ def supersede(results_dir: str | Path, names: list[str] | tuple[str, ...], reaso
     results, counted for what rows cost, and run again by the study (the rerun replaces the folder)."""
     if not reason.strip():
         raise ParamsError("superseding a run needs a reason (--reason): the report prints it beside the run")
-    results_dir, marked = Path(results_dir), []
+    results_dir = Path(results_dir)
+    kept = {run.name: run for run in kept_runs(results_dir)}
+    unknown = [name for name in names if name not in kept]
+    if unknown:
+        raise ParamsError(f"{', '.join(unknown)}: no finished run of that name in {results_dir} to supersede; the "
+                          f"finished ones are {', '.join(kept) or 'none'}")
     for name in names:
-        path = results_dir / name
-        if not (path / "evaluate_policies.json").is_file():
-            raise ParamsError(f"{path}: no finished run of that name to supersede; the finished ones are "
-                              f"{', '.join(run.name for run in finished_runs(results_dir)) or 'none'}")
-        marked.append(path)
-    for path in marked:
-        record = _read(path / RUN_RECORD)
-        keep_files(path, {**{p.name: p.read_text(encoding="utf-8") for p in path.iterdir() if p.is_file()},
-                          RUN_RECORD: json.dumps({**record, SUPERSEDED: reason.strip()}, indent=2, sort_keys=True)
-                          + "\n"})
-    return marked
+        partial = kept[name].path / f".{RUN_RECORD}.partial"  # whole or not at all
+        partial.write_text(json.dumps({**kept[name].record, SUPERSEDED: reason.strip()}, indent=2, sort_keys=True)
+                           + "\n", encoding="utf-8")
+        partial.replace(kept[name].path / RUN_RECORD)
+    return [kept[name].path for name in names]
 
 
 def is_finished(run_dir: str | Path, profile: str, overrides: dict[str, Any] | None = None) -> bool:

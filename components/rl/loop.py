@@ -209,8 +209,10 @@ def progress(settings: RLSettings, iteration: int, spent: int, seconds_per_itera
     where = f"{iteration}/{settings.iterations}"
     if settings.transition_budget is not None:
         where += f" ({spent}/{settings.transition_budget} transitions)"
-        affordable = (settings.transition_budget - spent) // max(spent / max(iteration, 1), 1)
-        left = min(left, int(affordable)) if another_iteration_fits(settings, iteration, spent) else 0
+        # the next iteration, then more while a worst case fits in what is left, at the mean spending so far
+        mean = max(spent / max(iteration, 1), 1)
+        after = (settings.transition_budget - spent - settings.transitions_per_iteration) // mean
+        left = min(left, int(after) + 1) if another_iteration_fits(settings, iteration, spent) else 0
     return where, f"{seconds_per_iteration:.0f}s/iteration, ETA {seconds_per_iteration * left:.0f}s"
 
 
@@ -406,6 +408,9 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
     tasks = curriculum.base_tasks
     if len(tasks) < settings.tasks_per_iteration:
         raise ValueError(f"{len(tasks)} tasks for tasks_per_iteration={settings.tasks_per_iteration}")
+    if not another_iteration_fits(settings, 0, 0):
+        raise ValueError(f"a transition budget of {settings.transition_budget} pays for no iteration (one may take "
+                         f"{settings.transitions_per_iteration}: tasks_per_iteration x group_size x max_turns)")
     checkpoints = out_dir / "checkpoints"
     stamp = settings_fingerprint(settings, policy_model, curriculum, environment)
     discard_unless_stamped(checkpoints, stamp, checkpoints / "fingerprint.txt")
