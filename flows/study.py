@@ -151,10 +151,10 @@ def run_record(name: str, overrides: dict, profile: str, started: float, cwd: st
 
 def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, cwd: str | Path | None = None
             ) -> str | None:
-    """The row's `dvc exp run` up to `target`, then, for a row whose policies come from synthetic RL, the scoring of
-    its experience model in a run of its own (`study.scoring_overrides`: fallbacks measured, not a reason to stop),
-    so that its failing loses none of the row's evaluation; why the model was not scored, or None. Rows sharing an
-    experience model score it once: DVC restores the others from its run cache."""
+    """The row's DVC run up to `target` (`run_command`), then, for a row whose policies come from synthetic RL, the
+    scoring of its experience model in a run of its own (`study.scoring_overrides`: fallbacks measured, not a reason
+    to stop), so that its failing loses none of the row's evaluation; why the model was not scored, or None. Rows
+    sharing an experience model score it once: DVC restores the others from its run cache."""
     if study.stages_not_needed(overrides, target):  # `dvc repro`: its overrides go into params.yaml first
         write_params(overrides, Path(cwd or ".") / PARAMS)
     with stand_ins(overrides, target, cwd):
