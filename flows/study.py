@@ -76,19 +76,24 @@ def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> 
 def stages_without(target: str, skipped: tuple[str, ...], cwd: str | Path | None = None) -> list[str]:
     """The pipeline stages `target` needs, itself last, in the order DVC runs them, leaving out `skipped` and what
     only they need."""
-    import networkx as nx
-
     with _pipeline(cwd) as (graph, stages):
-        graph.remove_nodes_from(stages[name] for name in skipped)
-        return [stage.name for stage in nx.dfs_postorder_nodes(graph, stages[target]) if getattr(stage, "cmd", None)]
+        return [stage.name for stage in _kept(graph, stages, target, skipped)]
 
 
 def unneeded_dependencies(skipped: tuple[str, ...], target: str, cwd: str | Path | None = None) -> list[str]:
     """The outputs of the `skipped` stages that the stages run without them depend on (as dvc.yaml names them)."""
-    kept = stages_without(target, skipped, cwd)
-    with _pipeline(cwd) as (_, stages):
+    with _pipeline(cwd) as (graph, stages):
         outputs = {out.def_path for name in skipped for out in stages[name].outs}
-        return sorted({dep.def_path for name in kept for dep in stages[name].deps} & outputs)
+        return sorted({dep.def_path for stage in _kept(graph, stages, target, skipped) for dep in stage.deps}
+                      & outputs)
+
+
+def _kept(graph: Any, stages: dict[str, Any], target: str, skipped: tuple[str, ...]) -> list[Any]:
+    """`stages_without`'s stages, from DVC's graph (changed: `skipped` are removed from it)."""
+    import networkx as nx
+
+    graph.remove_nodes_from(stages[name] for name in skipped)
+    return [stage for stage in nx.dfs_postorder_nodes(graph, stages[target]) if getattr(stage, "cmd", None)]
 
 
 @contextmanager
