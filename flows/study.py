@@ -29,7 +29,7 @@ from prefect.runtime import flow_run
 from components.config import active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
 from components.results import study
-from components.results.workspace import make_workspace, working_state
+from components.results.workspace import keeping_commits, make_workspace, working_state
 from flows import deployments
 from flows.pipeline import PARAMS, CommandFailed, onboard_collected_seed, reproduce, run_logged
 from stages import sim_to_real
@@ -162,17 +162,35 @@ def run_row(name: str, overrides: dict, target: str, measures_simulator: bool, c
     sharing an experience model score it once: DVC restores the others from its run cache."""
     if study.stages_not_needed(overrides, target):  # `dvc repro`: its overrides go into params.yaml first
         write_params(overrides, Path(cwd or ".") / PARAMS)
-    with stand_ins(overrides, target, cwd):
+    with stand_ins(overrides, target, cwd), commits_kept(name, cwd):
         run_logged(run_command(overrides, target, cwd), cwd=cwd)
     if not measures_simulator:
         return None
     try:
-        run_logged(run_command(study.scoring_overrides(overrides), "evaluate_experience_model"), cwd=cwd)
+        with commits_kept(name, cwd):
+            run_logged(run_command(study.scoring_overrides(overrides), "evaluate_experience_model"), cwd=cwd)
     except RuntimeError:
         get_run_logger().warning("%s: evaluate_experience_model failed (its output is above); the row is kept "
                                  "without the simulator's fidelity", name)
         return "evaluate_experience_model failed (the row's log says why)"
     return None
+
+
+@contextmanager
+def commits_kept(name: str, cwd: str | Path | None = None) -> Iterator[None]:
+    """The commits made in the checkout while a row's `dvc exp run` ran, put back on the branch that run takes them
+    off (`workspace.keeping_commits`), with a warning either way."""
+    try:
+        with keeping_commits(cwd or ".") as made:
+            yield
+    finally:
+        if made.commits:
+            get_run_logger().warning(
+                "%s: %d commit(s) made in this checkout while the row ran (%s) %s. `dvc exp run` detaches HEAD while "
+                "it runs: commit in another clone while a study row runs here", name, len(made.commits),
+                ", ".join(sha[:8] for sha in made.commits), "are back on the branch" if made.restored else
+                f"fell off the branch (their files are in the working tree): `git reset {made.commits[-1][:8]}` "
+                "puts them back")
 
 
 @task(task_run_name="{name}")

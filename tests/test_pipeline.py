@@ -548,6 +548,43 @@ def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(t
     assert run("git", "show", ":params.yaml", cwd=tmp_path).stdout == "seed: 2\n"
 
 
+def test_a_commit_made_while_a_row_runs_stays_on_the_branch(tmp_path, monkeypatch):
+    """`dvc exp run` detaches HEAD while it runs and points it back at the branch's old commit after, so a commit
+    made in the checkout meanwhile (results committed while a long row ran) fell off the branch. The row puts it
+    back: the branch ends at that commit, its file tracked, the run's outputs in the working tree."""
+    from components.results.workspace import keeping_commits
+
+    # at seed 1 the stage commits a file of its own while it runs: a user committing in the checkout meanwhile
+    (tmp_path / "dvc.yaml").write_text("""stages:
+  row: {cmd: "if grep -q 'seed: 1' params.yaml; then echo notes > notes.txt && git add notes.txt
+          && git commit -q -m 'notes while the row ran'; fi && cat params.yaml > out.txt",
+        params: [seed], outs: [out.txt]}
+""")
+    (tmp_path / "params.yaml").write_text("seed: 0\n")
+    run("git", "init", "-q", "-b", "main", cwd=tmp_path)
+    run("dvc", "init", "-q", cwd=tmp_path)
+    start = commit_project(tmp_path, monkeypatch)
+
+    with keeping_commits(tmp_path) as made:
+        run("dvc", "exp", "run", "--set-param", "seed=1", cwd=tmp_path)
+    head = run("git", "rev-parse", "HEAD", cwd=tmp_path).stdout.strip()
+    assert made.restored and made.commits == [head] and head != start
+    assert run("git", "log", "-1", "--format=%s", "main", cwd=tmp_path).stdout.strip() == "notes while the row ran"
+    assert run("git", "ls-files", "notes.txt", cwd=tmp_path).stdout.strip() == "notes.txt"
+    assert (tmp_path / "out.txt").read_text() == "seed: 1\n"  # the experiment's output, applied to the workspace
+    changed = run("git", "status", "--porcelain", cwd=tmp_path).stdout
+    assert "notes.txt" not in changed and "params.yaml" in changed  # only what the run itself changed
+
+    run("git", "commit", "-q", "-am", "the run's outputs", cwd=tmp_path)
+    before = run("git", "rev-parse", "HEAD", cwd=tmp_path).stdout.strip()
+    with keeping_commits(tmp_path) as made:  # a run with no commit meanwhile: nothing moves
+        run("dvc", "exp", "run", "--set-param", "seed=2", cwd=tmp_path)
+    assert made.commits == [] and not made.restored
+    assert run("git", "rev-parse", "HEAD", cwd=tmp_path).stdout.strip() == before
+    assert run("git", "symbolic-ref", "--short", "HEAD", cwd=tmp_path).stdout.strip() == "main"
+    assert (tmp_path / "out.txt").read_text() == "seed: 2\n"
+
+
 def test_a_real_environment_row_runs_without_synthetic_rl_even_where_its_output_is_missing(tmp_path, monkeypatch):
     """A real-environment row's policy never meets synthetic RL, but sim_to_real depends on its output, so DVC reran
     it whenever its code had changed since, and a fresh workspace ran it whole. The row runs `dvc repro` of the other

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # What DVC needs of the project's working state, beside the commit's code
@@ -47,6 +50,49 @@ def working_state(project: str | Path) -> dict[str, str]:
     """The project's WORKING_STATE files as text (those it has)."""
     return {name: (Path(project) / name).read_text(encoding="utf-8") for name in WORKING_STATE
             if (Path(project) / name).is_file()}
+
+
+@dataclass
+class CommitsDuringRun:
+    commits: list[str] = field(default_factory=list)  # made in the checkout while the run ran, oldest first
+    restored: bool = False  # put back on the branch
+
+
+@contextmanager
+def keeping_commits(cwd: str | Path = ".") -> Iterator[CommitsDuringRun]:
+    """Around a `dvc exp run`: the commits made in the checkout while it ran, put back on the branch (what it yields
+    says which, once the block is done).
+
+    `dvc exp run` detaches HEAD at the branch's commit while it runs and, once done, commits the experiment on top
+    of whatever HEAD then is and points HEAD back at the branch, which never moved: a commit made meanwhile (say,
+    results committed while a long row ran) falls off the branch, its files left uncommitted in the working tree.
+    Where the branch is still where the run started and those commits descend from it, the branch is moved to the
+    last of them, with the index (`git reset`: the working tree, which holds their files and the run's outputs, is
+    left as it is); otherwise they are only named, for the caller to report."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    branch, start = git("symbolic-ref", "--quiet", "HEAD"), git("rev-parse", "--verify", "--quiet", "HEAD")
+    seen = len(git("log", "--walk-reflogs", "--format=%H", "HEAD").splitlines())
+    made = CommitsDuringRun()
+    try:
+        yield made
+    finally:
+        if branch and start:
+            entries = git("log", "--walk-reflogs", "--format=%H %gs", "HEAD").splitlines()
+            moves = [line.partition(" ")[::2] for line in entries[:max(0, len(entries) - seen)]]
+            commits = [sha for sha, subject in moves if not subject.startswith("commit: dvc: commit experiment")
+                       and subject.split(":", 1)[0] in ("commit", "commit (amend)", "commit (merge)", "cherry-pick",
+                                                       "revert")]
+            if commits:
+                last = commits[0]  # the reflog is newest first
+                made.commits = git("rev-list", "--reverse", f"{start}..{last}").splitlines() or commits[::-1]
+                if git("rev-parse", "HEAD") == start and subprocess.run(
+                        ["git", "merge-base", "--is-ancestor", start, last], cwd=cwd, capture_output=True
+                ).returncode == 0:
+                    git("reset", "--quiet", last)
+                    made.restored = git("rev-parse", "HEAD") == last
 
 
 def _run(command: list[str], cwd: str | Path | None = None) -> None:
