@@ -556,7 +556,7 @@ def test_a_commit_made_while_a_row_runs_stays_on_the_branch(tmp_path, monkeypatc
 
     # at seed 1 the stage commits a file of its own while it runs: a user committing in the checkout meanwhile
     (tmp_path / "dvc.yaml").write_text("""stages:
-  row: {cmd: "if grep -q 'seed: 1' params.yaml; then echo notes > notes.txt && git add notes.txt
+  row: {cmd: "if grep -q 'seed: 1' params.yaml; then date +%s%N > notes.txt && git add notes.txt
           && git commit -q -m 'notes while the row ran'; fi && cat params.yaml > out.txt",
         params: [seed], outs: [out.txt]}
 """)
@@ -583,6 +583,12 @@ def test_a_commit_made_while_a_row_runs_stays_on_the_branch(tmp_path, monkeypatc
     assert run("git", "rev-parse", "HEAD", cwd=tmp_path).stdout.strip() == before
     assert run("git", "symbolic-ref", "--short", "HEAD", cwd=tmp_path).stdout.strip() == "main"
     assert (tmp_path / "out.txt").read_text() == "seed: 2\n"
+
+    (tmp_path / "params.yaml").write_text("seed: 1\n")  # `dvc repro` (a real row) leaves HEAD on the branch
+    with keeping_commits(tmp_path) as made:
+        run("dvc", "repro", "--force", cwd=tmp_path)  # forced: DVC's run cache would restore seed 1's output
+    assert made.commits == [] and run("git", "log", "-1", "--format=%s", cwd=tmp_path).stdout.strip() == (
+        "notes while the row ran")  # committed on the branch as usual: nothing fell off, nothing to report
 
 
 def test_a_real_environment_row_runs_without_synthetic_rl_even_where_its_output_is_missing(tmp_path, monkeypatch):

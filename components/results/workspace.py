@@ -73,6 +73,10 @@ def keeping_commits(cwd: str | Path = ".") -> Iterator[CommitsDuringRun]:
         done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
+    def is_ancestor(commit: str, of: str) -> bool:
+        return subprocess.run(["git", "merge-base", "--is-ancestor", commit, of], cwd=cwd,
+                              capture_output=True).returncode == 0
+
     branch, start = git("symbolic-ref", "--quiet", "HEAD"), git("rev-parse", "--verify", "--quiet", "HEAD")
     seen = len(git("log", "--walk-reflogs", "--format=%H", "HEAD").splitlines())
     made = CommitsDuringRun()
@@ -85,12 +89,10 @@ def keeping_commits(cwd: str | Path = ".") -> Iterator[CommitsDuringRun]:
             commits = [sha for sha, subject in moves if not subject.startswith("commit: dvc: commit experiment")
                        and subject.split(":", 1)[0] in ("commit", "commit (amend)", "commit (merge)", "cherry-pick",
                                                        "revert")]
-            if commits:
-                last = commits[0]  # the reflog is newest first
+            last = commits[0] if commits else ""  # the reflog is newest first
+            if last and not is_ancestor(last, git("rev-parse", "HEAD")):  # else on the branch: nothing fell off
                 made.commits = git("rev-list", "--reverse", f"{start}..{last}").splitlines() or commits[::-1]
-                if git("rev-parse", "HEAD") == start and subprocess.run(
-                        ["git", "merge-base", "--is-ancestor", start, last], cwd=cwd, capture_output=True
-                ).returncode == 0:
+                if git("rev-parse", "HEAD") == start and is_ancestor(start, last):
                     git("reset", "--quiet", last)
                     made.restored = git("rev-parse", "HEAD") == last
 
