@@ -89,10 +89,10 @@ def keeping_commits(cwd: str | Path = ".") -> Iterator[CommitsDuringRun]:
             commits = [sha for sha, subject in moves if not subject.startswith("commit: dvc: commit experiment")
                        and subject.split(":", 1)[0] in ("commit", "commit (amend)", "commit (merge)", "cherry-pick",
                                                        "revert")]
-            last = commits[0] if commits else ""  # the reflog is newest first
-            if last and not is_ancestor(last, git("rev-parse", "HEAD")):  # else on the branch: nothing fell off
+            last, head = commits[0] if commits else "", git("rev-parse", "HEAD")  # the reflog is newest first
+            if last and not is_ancestor(last, head):  # else on the branch: nothing fell off
                 made.commits = git("rev-list", "--reverse", f"{start}..{last}").splitlines() or commits[::-1]
-                if git("rev-parse", "HEAD") == start and is_ancestor(start, last):
+                if head == start and is_ancestor(start, last):
                     git("reset", "--quiet", last)
                     made.restored = git("rev-parse", "HEAD") == last
 
