@@ -29,7 +29,7 @@ from prefect.runtime import flow_run
 from components.config import active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
 from components.results import study
-from components.results.workspace import keeping_commits, make_workspace, working_state
+from components.results.workspace import keeping_commits, make_workspace, reattach_head, working_state
 from flows import deployments
 from flows.pipeline import PARAMS, CommandFailed, onboard_collected_seed, reproduce, run_logged
 from stages import sim_to_real
@@ -43,19 +43,23 @@ PARAMS_BACKUP = Path(".dvc/tmp/study-params.yaml")
 
 
 def restore_params() -> bool:
-    """Put back the params.yaml a killed study left with a run's overrides; whether there was one to put back.
-
-    `dvc exp run` also stages the overridden file, and with it left in the index every later `dvc exp run` fails
-    ("Stash apply resulted in merge conflicts"): a staged params.yaml that is not the user's file is unstaged."""
+    """Put back the params.yaml a killed study left with a run's overrides (`put_back_params`); whether there was
+    one to put back."""
     if not PARAMS_BACKUP.is_file():
         return False
-    original = PARAMS_BACKUP.read_text(encoding="utf-8")
+    put_back_params(PARAMS_BACKUP.read_text(encoding="utf-8"))
+    PARAMS_BACKUP.unlink()
+    return True
+
+
+def put_back_params(original: str) -> None:
+    """The user's params.yaml, `original`, in place of a run's. A `dvc exp run` that was stopped also leaves the
+    overridden file staged, and with it in the index every later `dvc exp run` fails ("Stash apply resulted in merge
+    conflicts"): a staged params.yaml that is not the user's file is unstaged."""
     Path(PARAMS).write_text(original, encoding="utf-8")
     staged = subprocess.run(["git", "show", f":{PARAMS}"], capture_output=True, text=True)
     if staged.returncode == 0 and staged.stdout != original:
         subprocess.run(["git", "reset", "--quiet", "--", PARAMS], capture_output=True, check=True)
-    PARAMS_BACKUP.unlink()
-    return True
 
 
 ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by flow run, in the worker's checkout
@@ -210,8 +214,8 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
         study.record_failure(results_folder(run_dir, name), {
             **run_record(name, overrides, profile, started), "stage": error.stage, "reason": error.reason})
         raise
-    finally:
-        Path(PARAMS).write_text(original, encoding="utf-8")
+    finally:  # a stopped run (SIGTERM) comes here too
+        put_back_params(original)
         PARAMS_BACKUP.unlink(missing_ok=True)
     study.keep_run(run_dir, run_record(name, overrides, profile, started, simulator_not_scored=not_scored),
                    evaluated_in=evaluated_in, simulator=measures_simulator and not not_scored,
@@ -314,6 +318,9 @@ def results_study_flow(rows: list[str] | None = None) -> dict:
     if restore_params():
         get_run_logger().warning("params.yaml held the overrides of a study run that was killed; restored the file "
                                  "it had before that run (from %s)", PARAMS_BACKUP)
+    if branch := reattach_head():
+        get_run_logger().warning("a killed `dvc exp run` had left HEAD detached from %s at its commit; HEAD is back "
+                                 "on %s", branch, branch)
     params, profile = load_params(PARAMS), active_profile(PARAMS)
     settings, confidence = params.study, params.evaluate.confidence
     results_dir = Path(settings.results_dir)

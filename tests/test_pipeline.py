@@ -548,6 +548,65 @@ def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(t
     assert run("git", "show", ":params.yaml", cwd=tmp_path).stdout == "seed: 2\n"
 
 
+def test_a_study_row_killed_inside_dvc_exp_run_leaves_head_on_the_branch_for_the_next(tmp_path, monkeypatch):
+    """`dvc exp run` detaches HEAD while it runs; killed (a session's end), it left HEAD detached for good, so the
+    next study's runs and every later commit went on off the branch. The next study puts HEAD back on the branch,
+    never while a DVC command runs in the checkout. A study stopped with SIGTERM puts back the user's params.yaml and
+    unstages the run's, which `dvc exp run` had staged and which made the next run fail on its stash."""
+    import signal
+    import time
+
+    from flows.study import PARAMS_BACKUP, run_variant
+    from components.results.workspace import reattach_head
+
+    project, started = tmp_path / "project", tmp_path / "started"
+    project.mkdir()
+    (project / "dvc.yaml").write_text(f"""stages:
+  row: {{cmd: "touch {started} && sleep 60 && cat params.yaml > out.txt", params: [seed], outs: [out.txt]}}
+""")
+    original = (REPO / "params.yaml").read_text()  # the user's file: a study run reads its profile from it
+    (project / "params.yaml").write_text(original)
+    run("git", "init", "-q", "-b", "main", cwd=project)
+    run("dvc", "init", "-q", cwd=project)
+    start = commit_project(project, monkeypatch)
+
+    row = subprocess.Popen([str(BIN / "dvc"), "exp", "run", "--set-param", "seed=1"], cwd=project,
+                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline and row.poll() is None:
+        time.sleep(0.2)
+    assert started.exists(), "the row's stage never started"
+    assert reattach_head(project) is None  # a run in progress keeps its detached HEAD
+    os.killpg(row.pid, signal.SIGKILL)
+    row.wait()
+    assert run("git", "symbolic-ref", "--quiet", "HEAD", cwd=project, check=False).returncode != 0  # detached
+
+    assert reattach_head(project) == "main"
+    assert run("git", "symbolic-ref", "--short", "HEAD", cwd=project).stdout.strip() == "main"
+    assert run("git", "rev-parse", "HEAD", cwd=project).stdout.strip() == start
+    assert reattach_head(project) is None  # once is enough
+
+    (project / "params.yaml").write_text(original)  # what the next study's restore_params does
+    (project / "dvc.yaml").write_text("stages:\n  row: {cmd: grep seed params.yaml > out.txt, params: [seed], "
+                                      "outs: [out.txt]}\n")
+    commit_project(project, monkeypatch)
+    monkeypatch.chdir(project)
+
+    def stopped_mid_run(*args, **kwargs):  # DVC has written and staged the run's params when SIGTERM stops the row
+        (project / "params.yaml").write_text(original.replace("seed: 0", "seed: 2", 1))
+        run("git", "add", "params.yaml", cwd=project)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("flows.study.run_row", stopped_mid_run)
+    with pytest.raises(KeyboardInterrupt):
+        run_variant.fn("toy/row-seed2", {"seed": 2}, tmp_path / "results", "row")
+    assert (project / "params.yaml").read_text() == original and not PARAMS_BACKUP.exists()
+    assert run("git", "status", "--porcelain", "--untracked-files=no", cwd=project).stdout == ""  # nothing staged
+    run("dvc", "exp", "run", "--set-param", "seed=3", cwd=project)  # the next run's stash applies
+    assert (project / "out.txt").read_text().startswith("seed: 3")
+    assert run("git", "symbolic-ref", "--short", "HEAD", cwd=project).stdout.strip() == "main"
+
+
 def test_a_commit_made_while_a_row_runs_stays_on_the_branch(tmp_path, monkeypatch):
     """`dvc exp run` detaches HEAD while it runs and points it back at the branch's old commit after, so a commit
     made in the checkout meanwhile (results committed while a long row ran) fell off the branch. The row puts it

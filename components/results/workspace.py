@@ -10,6 +10,8 @@ dir`), as DVC documents for a shared cache.
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -95,6 +97,47 @@ def keeping_commits(cwd: str | Path = ".") -> Iterator[CommitsDuringRun]:
                 if head == start and is_ancestor(start, last):
                     git("reset", "--quiet", last)
                     made.restored = git("rev-parse", "HEAD") == last
+
+
+def reattach_head(cwd: str | Path = ".") -> str | None:
+    """Put HEAD back on the branch a killed `dvc exp run` left it off; the branch's name, or None where HEAD was not
+    left detached that way.
+
+    `dvc exp run` detaches HEAD at the branch's commit while it runs (refs/exps/exec/EXEC_BASELINE marks that commit)
+    and points it back at the branch once done. Killed (a session's end), it leaves HEAD detached, and every later
+    run and commit in the checkout goes on there, off the branch. Where no DVC command is running in the checkout
+    (its lock file names a live process while one is) and HEAD is still at the commit that run detached it from, HEAD
+    goes back on the branch: nothing on disk changes."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--verify", "--quiet", "HEAD")
+    if git("symbolic-ref", "--quiet", "HEAD") or not head or _dvc_running(cwd) or \
+            git("rev-parse", "--verify", "--quiet", "refs/exps/exec/EXEC_BASELINE") != head:
+        return None
+    newest = git("log", "--walk-reflogs", "-1", "--format=%gs", "HEAD")
+    detached = re.fullmatch(rf"checkout: moving from (\S+) to {head}", newest)
+    branch = detached.group(1) if detached else ""
+    if not branch or git("rev-parse", "--verify", "--quiet", f"refs/heads/{branch}") != head:
+        return None
+    git("symbolic-ref", "-m", "reattached after a killed dvc exp run", "HEAD", f"refs/heads/{branch}")
+    return branch if git("symbolic-ref", "--quiet", "--short", "HEAD") == branch else None
+
+
+def _dvc_running(cwd: str | Path) -> bool:
+    """Whether a DVC command is running in the checkout: DVC's lock file holds the process id of the one that is."""
+    try:
+        pid = int((Path(cwd) / ".dvc" / "tmp" / "lock").read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):  # no lock file, or no process id in it
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process, running
+        pass
+    return pid > 0
 
 
 def _run(command: list[str], cwd: str | Path | None = None) -> None:
