@@ -4,7 +4,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -553,11 +555,8 @@ def test_a_study_row_killed_inside_dvc_exp_run_leaves_head_on_the_branch_for_the
     next study's runs and every later commit went on off the branch. The next study puts HEAD back on the branch,
     never while a DVC command runs in the checkout. A study stopped with SIGTERM puts back the user's params.yaml and
     unstages the run's, which `dvc exp run` had staged and which made the next run fail on its stash."""
-    import signal
-    import time
-
-    from flows.study import PARAMS_BACKUP, run_variant
     from components.results.workspace import reattach_head
+    from flows.study import PARAMS_BACKUP, run_variant
 
     project, started = tmp_path / "project", tmp_path / "started"
     project.mkdir()
