@@ -72,8 +72,7 @@ def keeping_commits(cwd: str | Path = ".") -> Iterator[CommitsDuringRun]:
     last of them, with the index (`git reset`: the working tree, which holds their files and the run's outputs, is
     left as it is); otherwise they are only named, for the caller to report."""
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
+        return _git_output(cwd, *args)
 
     def is_ancestor(commit: str, of: str) -> bool:
         return subprocess.run(["git", "merge-base", "--is-ancestor", commit, of], cwd=cwd,
@@ -109,8 +108,7 @@ def reattach_head(cwd: str | Path = ".") -> str | None:
     (its lock file names a live process while one is) and HEAD is still at the commit that run detached it from, HEAD
     goes back on the branch: nothing on disk changes."""
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
+        return _git_output(cwd, *args)
 
     head = git("rev-parse", "--verify", "--quiet", "HEAD")
     if git("symbolic-ref", "--quiet", "HEAD") or not head or _dvc_running(cwd) or \
@@ -138,6 +136,12 @@ def _dvc_running(cwd: str | Path) -> bool:
     except PermissionError:  # another user's process, running
         pass
     return pid > 0
+
+
+def _git_output(cwd: str | Path, *args: str) -> str:
+    """A git command's output, or "" where it fails (a ref that does not exist, a detached HEAD's branch)."""
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def _run(command: list[str], cwd: str | Path | None = None) -> None:
