@@ -129,13 +129,15 @@ def _dvc_running(cwd: str | Path) -> bool:
         pid = int((Path(cwd) / ".dvc" / "tmp" / "lock").read_text(encoding="utf-8").strip())
     except (OSError, ValueError):  # no lock file, or no process id in it
         return False
+    if pid <= 0:  # os.kill would address a process group, not a process
+        return False
     try:
         os.kill(pid, 0)  # signal 0: only whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process, running
         pass
-    return pid > 0
+    return True
 
 
 def _git_output(cwd: str | Path, *args: str) -> str:
