@@ -15,7 +15,7 @@ from components.config import overridden
 from components.data.contract import Task
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
 from components.rl.curriculum import Curriculum
-from components.rl.loop import LOG_FILE, kept_episodes, read_iteration_log
+from components.rl.loop import LOG_FILE, TIME_SPLIT, kept_episodes, read_iteration_log
 from components.rl.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
 from components.rl.rollouts import Episode, SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
@@ -31,7 +31,6 @@ SETTINGS = settings_from_params("rl", algorithm="ppo", iterations=2, tasks_per_i
                                save_total_limit=2, beta=0.02, learning_rate=1e-3,
                                ppo=settings_from_params("ppo", epochs=2),
                                lora=settings_from_params("lora", r=4, alpha=8, top_layers=None))
-TIMINGS = ("policy_generation_s", "environment_s", "curriculum_s", "optimisation_s")
 
 
 # --- the pieces ----------------------------------------------------------------------------------------------------
@@ -158,7 +157,7 @@ def test_ppo_trains_logs_iterations_writes_back_and_checkpoints(first_run):
     assert result.iterations == 2 and result.resumed_from is None and [row["iteration"] for row in result.log] == [1, 2]
     for row in result.log:
         for key in ("reward_mean", "success_rate", "kl", "entropy", "loss", "policy_loss", "value_loss", "clip_ratio",
-                    "policy_tokens_mean", "turns_mean", *TIMINGS):
+                    "policy_tokens_mean", "turns_mean", *TIME_SPLIT):
             assert row[key] is not None, key
         # every episode ran to the turn limit (the scripted experience model only ends an episode on "eat meal" or
         # "give up"), so episode lengths are the same in any rerun: the resume tests below rely on it
@@ -206,8 +205,8 @@ def test_ppo_resumes_mid_run_where_it_stopped(first_run, policy_dir, tmp_path):
     # the adapter, value head, optimizer and RNG states came back: iteration 2 is the uninterrupted run's
     original = json.loads(json.dumps(result.log))
     assert resumed.log[0] == original[0]
-    assert {k: v for k, v in resumed.log[1].items() if k not in TIMINGS} == \
-        {k: v for k, v in original[1].items() if k not in TIMINGS}
+    assert {k: v for k, v in resumed.log[1].items() if k not in TIME_SPLIT} == \
+        {k: v for k, v in original[1].items() if k not in TIME_SPLIT}
 
 
 def test_ppo_plays_iterations_while_their_worst_case_fits_in_its_transition_budget(policy_dir, tmp_path):
