@@ -595,6 +595,16 @@ def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
     assert "of 24 games both played, A alone won 7, B alone 0; sign test p = 0.016" in claim_verdicts(
         metrics, ("grpo",), games)
 
+    # real GRPO has seed 0 only: S2R is compared with it on seed 0's 3/12, not on both seeds' 3/24 (the table's)
+    assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3 and metrics["DreamGym-S2R (GRPO)"][tw]["episodes"] == 24
+    s2r = ("DreamGym-S2R (GRPO)", "GRPO in the real environment")
+    matched = {(c.method_a, c.method_b): c for c in comparisons(metrics, ("grpo",), games, runs=runs)}[s2r]
+    assert (matched.a["successes"], matched.a["episodes"], matched.a["seeds"]) == (3, 12, [0])
+    assert (matched.b["successes"], matched.b["episodes"], matched.b["seeds"]) == (9, 12, [0])
+    assert matched.observed == -0.5
+    pooled = {(c.method_a, c.method_b): c for c in comparisons(metrics, ("grpo",), games)}[s2r]  # without runs
+    assert pooled.a["episodes"] == 24
+
 
 def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     tw = "textworld-cooking"

@@ -706,8 +706,11 @@ def claim_pairs(algorithm_names: tuple[str, ...]) -> list[tuple[Claim, str, str,
 
 def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
                 games: dict[tuple[str, str], dict[tuple[int, str], bool]] | None = None,
-                confidence: float = 0.95) -> list[Comparison]:
+                confidence: float = 0.95, runs: list[Run] | None = None) -> list[Comparison]:
     """Each claim against our table, wherever both its rows have results (or its verdict needs no B, see Claim).
+
+    With the `runs` the table pools, two rows whose seeds differ are compared on the seeds both have
+    (`matched_seeds`): a seed one of them lacks would weigh its own warm start into one side only.
 
     Where both rows kept their games (`paired_games`), the two methods are compared on the held-out games both
     played: a difference counts when the exact sign test on the games only one of them won gives p < 1 -
@@ -719,7 +722,7 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
     found = []
     for claim, a, b, algorithm in claim_pairs(algorithm_names):
         for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
-            ra, rb = metrics[a][environment], metrics[b][environment]
+            ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence)
             pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
             found.append(Comparison(claim, algorithm, claim.text.format(share=_share(ra, rb)), environment, a, b, ra,
                                     rb, pairs, _verdict(ra, rb, claim.kind, pairs, confidence),
@@ -732,6 +735,19 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
                                             "not tested: the curriculum accepted no generated task, so B would play "
                                             "A's tasks"))
     return found
+
+
+def matched_seeds(metrics: dict[str, Any], a: str, b: str, environment: str, runs: list[Run] | None,
+                  confidence: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Methods `a` and `b`'s pooled results on `environment`, over the seeds both have where `runs` are given and
+    their seeds differ (`aggregate` of those seeds' runs); as the table pools them otherwise, or where they share
+    no seed."""
+    ra, rb = metrics[a][environment], metrics[b][environment]
+    common = set(ra.get("seeds", [])) & set(rb.get("seeds", []))
+    if runs is None or not common or ra.get("seeds") == rb.get("seeds"):
+        return ra, rb
+    matched, _ = aggregate([run for run in runs if run.seed in common], confidence)
+    return matched[a][environment], matched[b][environment]
 
 
 def claim_verdicts(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("grpo", "ppo"),
@@ -1151,7 +1167,7 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     # the plan is params.yaml's: runs made at another named profile are another study's
     others = {kept for kept in profiles.values() if not same_study(kept, profile)}
     metrics, table = aggregate(runs, confidence)
-    found = comparisons(metrics, algorithm_names, paired_games(runs), confidence)
+    found = comparisons(metrics, algorithm_names, paired_games(runs), confidence, runs)
     failures = read_failures(results_dir)
     statuses = plan_status(planned, runs, profile, failures, superseded) if planned and not others else None
     bars = success_plot(metrics, results_dir / "results_study.png")
