@@ -668,7 +668,8 @@ PAPER_CLAIMS = (
 @dataclass(frozen=True)
 class Comparison:
     """One claim tested on one environment (and algorithm, for a claim of every algorithm): its two rows' pooled
-    results (`aggregate`), their paired games when both kept them, and the verdict."""
+    results (`aggregate`, over the seeds both have: `matched_seeds`), their paired games when both kept them, and the
+    verdict."""
     claim: Claim
     algorithm: str  # the RL algorithm of its methods
     text: str  # the claim's text, with its share filled in
