@@ -61,18 +61,19 @@ def test_budgets_follow_the_variant():
     assert run_overrides(by_name["real-grpo"], 1, 160, 0.1) == {
         "synthetic_rl.algorithm": "grpo", "sim_to_real.start_from": "sft", "seed": 1,
         "sim_to_real.real_transitions": 160, "evaluate.policies": ["sim_to_real"]}
-    assert run_overrides(by_name["dreamgym-grpo"], 0, 160, 0.1)["evaluate.policies"] == [
-        "sim_to_real", "synthetic_rl", "train_policy_sft"]
-    # the warm start is one policy: the first algorithm's DreamGym run plays it, not PPO's again
+    # the warm start is one policy for every algorithm: its own row plays it, with no sim-to-real budget
+    assert run_overrides(by_name["sft-only"], 2, 160, 0.1) == {
+        "sim_to_real.start_from": "sft", "seed": 2, "evaluate.policies": ["train_policy_sft"]}
+    assert run_overrides(by_name["dreamgym-grpo"], 0, 160, 0.1)["evaluate.policies"] == ["sim_to_real", "synthetic_rl"]
     assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["evaluate.policies"] == ["sim_to_real", "synthetic_rl"]
-    assert [v.policies for v in variants(("ppo",))][0] == ["sim_to_real", "synthetic_rl", "train_policy_sft"]
+    assert [v.policies for v in variants(("ppo",))][0] == ["train_policy_sft"]
     assert by_name["no-retrieval"].policies == ["synthetic_rl"]  # an ablation's one row: its synthetic RL policy
     # the ablations' rows are GRPO's, whatever algorithm params.yaml names
     assert all(by_name[n].overrides["synthetic_rl.algorithm"] == "grpo" for n in ("no-curriculum", "no-retrieval",
                                                                                   "no-reasoning"))
     assert run_overrides(by_name["dreamgym-ppo"], 0, 160, 0.1)["sim_to_real.real_transitions"] == 16
     assert run_overrides(by_name["no-curriculum"], 0, 160, 0.1)["synthetic_rl.curriculum.enabled"] is False
-    assert [v.name for v in variants(("grpo",))] == ["dreamgym-grpo", "real-grpo", "real-grpo-s2r-budget",
+    assert [v.name for v in variants(("grpo",))] == ["sft-only", "dreamgym-grpo", "real-grpo", "real-grpo-s2r-budget",
                                                       "no-curriculum", "no-retrieval", "no-reasoning", "s2r-correction"]
     # real RL at DreamGym-S2R's budget: from the warm start, as many real transitions as sim-to-real spends
     assert run_overrides(by_name["real-ppo-s2r-budget"], 0, 160, 0.1) == {
@@ -85,6 +86,7 @@ def test_a_correction_run_spends_dreamgym_s2rs_budget_on_sim_to_real_after_its_l
     overrides = run_overrides(correction, 2, 336, 0.1, correction_rounds=3, sim_to_real_iteration=28, max_turns=1)
     # the pipeline stages before the rounds are the DreamGym run's of the seed (DVC's run cache restores them)
     dreamgym = run_overrides({v.name: v for v in variants()}["dreamgym-grpo"], 2, 336, 0.1)
+    del dreamgym["evaluate.policies"]  # a param of the held-out games alone, which the rounds play their own way
     assert {key: overrides[key] for key in dreamgym} == dreamgym
     assert overrides["correction.feedback"] is True and correction.target == "correction_rounds"
     # 33 real transitions: one sim-to-real iteration (28) after the last round, 5 left: 1 a round
@@ -114,19 +116,20 @@ def _cpu_study(**study):
 def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
     planned = plan(_cpu_study(seeds=[0, 1], environments=["textworld-cooking", "miniwob"]), sim_to_real_iteration=28)
 
-    assert [row.name for row in planned[:3]] == ["textworld-cooking/dreamgym-grpo-seed0",
-                                                 "textworld-cooking/real-grpo-seed0",
-                                                 "textworld-cooking/real-grpo-s2r-budget-seed0"]
-    assert len(planned) == 2 * 2 * 10 and planned[-1].name == "miniwob/s2r-correction-seed1"
-    assert planned[10].name == "miniwob/dreamgym-grpo-seed0"  # seed 0 everywhere before seed 1
-    real = planned[1]
+    # the warm start's row first: it trains what the seed's other rows start from
+    assert [row.name for row in planned[:3]] == ["textworld-cooking/sft-only-seed0",
+                                                 "textworld-cooking/dreamgym-grpo-seed0",
+                                                 "textworld-cooking/real-grpo-seed0"]
+    assert len(planned) == 2 * 2 * 11 and planned[-1].name == "miniwob/s2r-correction-seed1"
+    assert planned[11].name == "miniwob/sft-only-seed0"  # seed 0 everywhere before seed 1
+    real = planned[2]
     assert real.overrides == run_overrides(real.variant, 0, 700, 0.1, environment="textworld-cooking")
     # the cpu profile's budget pays for the correction row: 70 = one sim-to-real iteration (28) + 3 rounds x 14
-    assert (planned[9].overrides["correction.real_transitions"], planned[9].overrides["correction.replay_transitions"]
-            ) == (28, 14)
+    assert (planned[10].overrides["correction.real_transitions"],
+            planned[10].overrides["correction.replay_transitions"]) == (28, 14)
     # at 336, 33 real transitions leave one replayed transition a round, less than an episode: the row cannot run,
     # and the plan says why
-    correction = plan(_cpu_study(real_budget=336), sim_to_real_iteration=28)[9]
+    correction = plan(_cpu_study(real_budget=336), sim_to_real_iteration=28)[10]
     assert correction.overrides is None and not correction.switched_off
     assert "leaves 1 replayed transition(s) a round" in correction.why_not
     # correction.rounds 0 switches the row off: no failure
@@ -136,7 +139,7 @@ def test_the_plan_names_every_row_in_running_order_and_why_a_row_cannot_run():
     assert select_rows(planned, ["miniwob/no-retrieval-seed1"]) == [planned[-3]]
     assert select_rows(planned) == planned
     with pytest.raises(ParamsError, match=r"no such row of this study: miniwob/no-retrieval-seed7\. params.yaml "
-                                          r"`study` plans textworld-cooking/dreamgym-grpo-seed0, "):
+                                          r"`study` plans textworld-cooking/sft-only-seed0, "):
         select_rows(planned, ["miniwob/no-retrieval-seed7"])
     with pytest.raises(ParamsError, match=r"study.variants \['real-grpo'\] limits it: set it to \[\]"):
         select_rows(plan(_cpu_study(variants=["real-grpo"]), 28), ["miniwob/no-retrieval-seed0"], ["real-grpo"])
@@ -207,20 +210,21 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
     (run_dir / "train_policy_sft.json").write_text(json.dumps({"seconds": 1200.0}))
     _, text = report(results, 0.95, ("grpo",), planned, "cpu")
 
-    assert finished_runs(results)[0].from_scratch_seconds == 3000 + 1200 + 2400 + 600 + 600 + 600
-    assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 20.0 | 140.0 |" in text
-    assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 140 (mean of 1) |" in text
+    # its row's games only: the warm start it played beside them is a row of its own (sft-only)
+    assert finished_runs(results)[0].from_scratch_seconds == 3000 + 1200 + 2400 + 600 + 600
+    assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 20.0 | 130.0 |" in text
+    assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 130 (mean of 1) |" in text
     assert (f"| {tw}/no-curriculum-seed0 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed "
             "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in its 1 finished run(s) "
             f"on {tw}, so DreamGym played the base task schedule") in text
     assert f"`dreamgym study run {tw}/no-curriculum-seed0` runs it anyway |" in text
-    assert "1 of 4 planned runs finished; 1 to run, about 2.3 h by the finished runs of their variants or, where " \
+    assert "1 of 4 planned runs finished; 1 to run, about 2.2 h by the finished runs of their variants or, where " \
            "named, of a variant they cost like; 2 not informative by the finished runs (not run unless named)" in text
     # an ablation with no run of its own costs what DreamGym (GRPO)'s runs did, and says so
     assert f"| {tw}/no-curriculum-seed1 | not informative: " in text
-    assert f"| about 140 (as dreamgym-grpo, mean of 1) | `dreamgym study run {tw}/no-curriculum-seed1` runs it " \
+    assert f"| about 130 (as dreamgym-grpo, mean of 1) | `dreamgym study run {tw}/no-curriculum-seed1` runs it " \
            "anyway |" in text
-    assert "(0.3 h of runs as they ran; 2.3 h from scratch, summed over the 1 that kept their stages' times, " \
+    assert "(0.3 h of runs as they ran; 2.2 h from scratch, summed over the 1 that kept their stages' times, " \
            "profile cpu)" in text
 
     # a curriculum no task was varied by: the same schedule, another reason
@@ -234,16 +238,45 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
         other = plan(_cpu_study(seeds=[0], variants=["no-curriculum"], environments=[environment]), 28)
         assert f"| {environment}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), other,
                                                                                  "cpu")[1]
-    # rows of one environment and seed share the warm start (20 of each row's 140 minutes) and, where they set the
+    # rows of one environment and seed share the warm start (20 of each row's 130 minutes) and, where they set the
     # same experience_model params, the experience model (50): in one workspace DVC trains each once. no-retrieval
-    # sets experience_model.prompt.use_retrieval, so it trains its own: 3 x 140 - 3 x 70 + 2 x 20 + 3 x 50 = 400
+    # sets experience_model.prompt.use_retrieval, so it trains its own: 3 x 130 - 3 x 70 + 2 x 20 + 3 x 50 = 370
     (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": {"accepted": 1}}))
     together = plan(_cpu_study(seeds=[0, 1], variants=["dreamgym-grpo", "no-retrieval"], environments=[tw]), 28)
-    assert "1 of 4 planned runs finished; 3 to run, about 7.0 h by the finished runs of their variants or, where " \
-           "named, of a variant they cost like, or about 6.7 h run in one workspace per environment and seed, " \
+    assert "1 of 4 planned runs finished; 3 to run, about 6.5 h by the finished runs of their variants or, where " \
+           "named, of a variant they cost like, or about 6.2 h run in one workspace per environment and seed, " \
            "where DVC's run cache trains the warm start once for all its rows and the experience model once for the " \
            "rows that set the same experience_model params." in report(
                results, 0.95, ("grpo",), together, "cpu")[1]
+
+
+def test_the_warm_start_is_a_row_of_its_own_that_counts_once_per_seed(tmp_path):
+    """The warm start's row plays it without sim-to-real; where a DreamGym run of the seed played it before the row
+    existed, the row would play the same policy on the same games: not informative, its games counted once."""
+    tw = "textworld-cooking"
+    results = tmp_path / "results"
+    _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)},
+                                                "synthetic_grpo": {tw: _evaluation(2, 4)}})
+    planned = plan(_cpu_study(seeds=[0, 1], variants=["sft-only", "dreamgym-grpo"], environments=[tw, "miniwob"]),
+                   28)
+    statuses = {status.row.name: status for status in plan_status(planned, finished_runs(results), "cpu")}
+
+    assert statuses[f"{tw}/sft-only-seed0"].status == (
+        f"not informative: {tw}/dreamgym-grpo-seed0 played seed 0's warm start on the held-out games, and those "
+        "games count as this row's")
+    # another seed's or environment's warm start is not that one
+    assert statuses[f"{tw}/sft-only-seed1"].to_run and statuses["miniwob/sft-only-seed0"].to_run
+    # it needs neither synthetic RL nor the experience model nor sim-to-real (flows.study stands in for them)
+    row = statuses["miniwob/sft-only-seed0"].row
+    assert stages_not_needed(row.overrides, row.variant.target) == ("sim_to_real", "synthetic_rl",
+                                                                    "train_experience_model")
+    # run anyway (named), the warm start of seed 0 counts once; seed 1's own row adds its games
+    _run(results, f"{tw}/sft-only-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)}}, start_from="sft")
+    _run(results, f"{tw}/sft-only-seed1", {"sft_warm_start": {tw: _evaluation(3, 4)}}, start_from="sft")
+    metrics, text = aggregate(finished_runs(results))
+    assert metrics["SFT only"][tw]["successes"] == 1 + 3 and metrics["SFT only"][tw]["episodes"] == 8
+    assert "| SFT only | textworld-cooking | 0.50 " in text
+    assert metrics["DreamGym (GRPO)"][tw]["successes"] == 2
 
 
 def test_a_rows_failed_attempts_are_kept_and_the_plan_says_what_they_cost_and_why(tmp_path):
@@ -311,16 +344,16 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     keeps evaluate_experience_model.json only when it scored it (a file another row left would not be its own)."""
     # the correction rounds score theirs every round
     assert {v.name: v.measures_simulator for v in variants(("grpo",))} == {
-        "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False, "no-curriculum": True,
-        "no-retrieval": True, "no-reasoning": True, "s2r-correction": False}
+        "sft-only": False, "dreamgym-grpo": True, "real-grpo": False, "real-grpo-s2r-budget": False,
+        "no-curriculum": True, "no-retrieval": True, "no-reasoning": True, "s2r-correction": False}
     # and the real-environment rows alone need nothing of synthetic RL, nor of the experience model where every
     # environment they play is a real one (flows.study.run_command leaves them out)
     real = ("synthetic_rl", "train_experience_model")
     assert {v.name: stages_not_needed(run_overrides(v, 0, 700, 0.1, 3, 28, "miniwob"), v.target)
             for v in variants(("grpo",))} == {
-        "dreamgym-grpo": (), "real-grpo": real, "real-grpo-s2r-budget": real, "no-curriculum": (), "no-retrieval": (),
-        "no-reasoning": (), "s2r-correction": ()}
-    real_row = run_overrides(variants(("grpo",))[1], 0, 700, 0.1)
+        "sft-only": ("sim_to_real", *real), "dreamgym-grpo": (), "real-grpo": real, "real-grpo-s2r-budget": real,
+        "no-curriculum": (), "no-retrieval": (), "no-reasoning": (), "s2r-correction": ()}
+    real_row = run_overrides(variants(("grpo",))[2], 0, 700, 0.1)
     assert stages_not_needed({**real_row, "policy.environments": ["miniwob", "webshop"]}, "evaluate_policies") == \
         ("synthetic_rl",)  # a seed-only domain's held-out games are played inside the experience model
     assert stages_not_needed(real_row, "evaluate_policies") == ("synthetic_rl",)  # environments not named
@@ -350,7 +383,7 @@ def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does
     assert main(["--params", str(REPO / "params.yaml"), "study", "run", "textworld-cooking/dreamgym-grpo-seed9"]) == 2
     error = capsys.readouterr().err
     assert "error: no such row of this study: textworld-cooking/dreamgym-grpo-seed9" in error
-    assert "plans textworld-cooking/dreamgym-grpo-seed0, textworld-cooking/real-grpo-seed0" in error
+    assert "plans textworld-cooking/sft-only-seed0, textworld-cooking/dreamgym-grpo-seed0, " in error
     assert main(["study", "report", "textworld-cooking/dreamgym-grpo-seed0"]) == 2
     assert "`study report` takes no rows" in capsys.readouterr().err
 
@@ -365,7 +398,7 @@ def test_a_profiles_study_is_reported_without_switching_params_yaml_to_it(tmp_pa
     assert main(["study", "report", "--profile", "cpu"]) == 0
 
     readme = Path("reports/results_study/cpu/README.md").read_text()
-    assert "0 of 60 planned runs finished; 60 to run (60 not estimated: no finished run on their environment to " \
+    assert "0 of 66 planned runs finished; 66 to run (66 not estimated: no finished run on their environment to " \
            "cost them by)" \
         in readme and "| miniwob/s2r-correction-seed2 | not run yet |" in readme
     assert Path("params.yaml").read_text() == (REPO / "params.yaml").read_text()
@@ -433,7 +466,7 @@ def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):
 
 def test_unknown_variant_names_fail_with_the_known_ones():
     assert [v.name for v in select_variants(("ppo",), ["real-ppo"])] == ["real-ppo"]
-    with pytest.raises(ParamsError, match="unknown real-gpro; .* are dreamgym-grpo, real-grpo"):
+    with pytest.raises(ParamsError, match="unknown real-gpro; .* are sft-only, dreamgym-grpo, real-grpo"):
         select_variants(("grpo",), ["real-gpro"])
 
 
@@ -488,7 +521,8 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     found = comparisons(metrics, ("grpo",), {(method, tw): outcomes(won) for method, won in wins.items()})
     results = tmp_path / "results"
     _run(results, f"{tw}/dreamgym-grpo-seed0", {"sft_warm_start": {tw: _evaluation(1, 4)}})
-    params = _cpu_study(seeds=[0], variants=["dreamgym-grpo", "no-retrieval"], environments=[tw, "miniwob"])
+    params = _cpu_study(seeds=[0], variants=["sft-only", "dreamgym-grpo", "no-retrieval"],
+                        environments=[tw, "miniwob"])
     statuses = plan_status(plan(params, 28), finished_runs(results), "cpu")
 
     text = claims_reading(found, metrics, untested_reasons(statuses), ("grpo",), ["miniwob", tw])
@@ -508,7 +542,8 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     assert "- Retrieval of similar transitions helps, textworld-cooking, DreamGym (GRPO) against DreamGym (GRPO) " \
            f"w/o retrieval: `{tw}/no-retrieval-seed0`: not run yet, its cost not measured yet." in text
     assert "- Synthetic-only RL improves on the warm start, miniwob, DreamGym (GRPO) against SFT only: " \
-           "`miniwob/dreamgym-grpo-seed0`: not run yet, its cost not measured yet." in text
+           "`miniwob/dreamgym-grpo-seed0`: not run yet, its cost not measured yet; `miniwob/sft-only-seed0`: not run " \
+           "yet, its cost not measured yet." in text
     # the second claim: the paper's two comparisons per environment, and our two controls
     assert "Here, of the paper's 2 comparisons, 1 supported, 1 not tested; of our controls' 4 comparisons, 1 not " \
            "resolved, 3 not tested." in text

@@ -2,10 +2,10 @@
 
 Each *variant* is one pipeline run with a few params overridden (flows/study.py runs it as a `dvc exp run` and keeps
 its evaluation metrics in `RESULTS_DIR/<environment>/<variant>-seed<k>/`: each run trains its experience model and
-policy on one environment). One run yields several rows of the table: the default
-run evaluates the warm start (SFT only), the synthetic-RL policy (DreamGym) and the sim-to-real policy
-(DreamGym-S2R) side by side. `aggregate` pools each method's held-out episodes over seeds (Wilson interval on the
-pooled episodes) and writes the table, a plot and JSON metrics.
+policy on one environment). One run yields one or more rows of the table: a DreamGym run evaluates the synthetic-RL
+policy (DreamGym) and the sim-to-real policy (DreamGym-S2R) side by side; the warm start (SFT only), which every run
+of a seed starts from, is a run of its own. `aggregate` pools each method's held-out episodes over seeds (Wilson
+interval on the pooled episodes) and writes the table, a plot and JSON metrics.
 
 Budgets: `real_budget` B is the real-environment RL baseline's budget of real transitions; DreamGym-S2R gets
 `s2r_share` x B (the paper: at most 10%). DreamGym itself uses no real transition beyond the seed. DreamGym-S2R with
@@ -42,13 +42,16 @@ from components.reports import (
 from components.results.evaluation import SIMULATED
 from components.stats import wilson_interval
 
+WARM_START_LABEL = "sft_warm_start"  # evaluate_policies' label of the warm start, the table's "SFT only"
+
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     overrides: dict[str, Any]  # dotted params for this run (on top of the seed and budgets)
     rows: dict[str, str]  # evaluate_policies label -> the method (row of the table) it stands for
-    real_budget: str  # what it spends: "s2r" (s2r_share x B in sim_to_real), "full" (B), "correction" (run_overrides)
+    real_budget: str  # what it spends: "s2r" (s2r_share x B in sim_to_real), "full" (B), "correction" (run_overrides),
+    # "none" (no sim-to-real)
     target: str = "evaluate_policies"  # the DVC stage its run ends with
     costs_like: str | None = None  # the variant whose finished runs estimate its cost until it has its own
 
@@ -62,30 +65,30 @@ class Variant:
     @property
     def policies(self) -> list[str]:
         """The policies its run evaluates (evaluate.policies, by training stage): its rows' only, as each held-out
-        evaluation costs minutes on a CPU (the warm start is played once per seed, in the first algorithm's DreamGym
-        run). Correction rounds evaluate their own policies; their run's pipeline stages are the DreamGym run's of
-        the same seed, which DVC then restores from its run cache instead of running them again."""
+        evaluation costs minutes on a CPU (the warm start is played once per seed, in its own run). Correction rounds
+        evaluate their own policies; their run's pipeline stages are the DreamGym run's of the same seed, which DVC
+        then restores from its run cache instead of running them again."""
         if self.target == "correction_rounds":
             return ["sim_to_real", "synthetic_rl", "train_policy_sft"]
-        stages = {"sft_warm_start": "train_policy_sft", "sim-to-real": "sim_to_real"}
+        stages = {WARM_START_LABEL: "train_policy_sft", "sim-to-real": "sim_to_real"}
         return sorted({stages.get(label, "synthetic_rl") for label in self.rows})
 
 
 def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant]:
-    """The runs that fill the table, per algorithm, then the three ablations (on GRPO, as in the paper). The warm
-    start (SFT only) is the same policy for every algorithm: the first algorithm's DreamGym run evaluates it. Beside
-    the paper's rows, real-environment RL at DreamGym-S2R's budget: without it, S2R's gain over the warm start
-    cannot be told apart from what its few real transitions alone buy."""
-    found = []
+    """The runs that fill the table: the warm start (SFT only, the same policy for every algorithm, so one run a
+    seed, first: it trains what every other run of the seed starts from), the runs of each algorithm, then the three
+    ablations (on GRPO, as in the paper). Beside the paper's rows, real-environment RL at DreamGym-S2R's budget:
+    without it, S2R's gain over the warm start cannot be told apart from what its few real transitions alone buy."""
+    found = [Variant("sft-only", {"sim_to_real.start_from": "sft"}, {WARM_START_LABEL: "SFT only"},
+                     "none")]
     for number, algorithm in enumerate(algorithm_names):
         upper = algorithm.upper()
-        warm_start = {"sft_warm_start": "SFT only"} if number == 0 else {}
 
         def like(prefix: str, suffix: str = "") -> str | None:  # the first algorithm's runs of the same kind
             return f"{prefix}-{algorithm_names[0]}{suffix}" if number else None
         found += [
             Variant(f"dreamgym-{algorithm}", {"synthetic_rl.algorithm": algorithm},
-                    {**warm_start, f"synthetic_{algorithm}": f"DreamGym ({upper})",
+                    {f"synthetic_{algorithm}": f"DreamGym ({upper})",
                      "sim-to-real": f"DreamGym-S2R ({upper})"}, "s2r", costs_like=like("dreamgym")),
             Variant(f"real-{algorithm}", {"synthetic_rl.algorithm": algorithm, "sim_to_real.start_from": "sft"},
                     {"sim-to-real": f"{upper} in the real environment"}, "full", costs_like=like("real")),
@@ -111,6 +114,15 @@ def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant
     return found
 
 
+def measured_elsewhere(row: PlannedRun, runs: list[Run]) -> Run | None:
+    """A finished run that evaluated what `row` would: the warm start of its environment and seed (a DreamGym run
+    made before the warm start had a row of its own evaluated it too). Its games count as the row's."""
+    if list(row.variant.rows) != [WARM_START_LABEL]:
+        return None
+    return next((run for run in runs if run.seed == row.seed and run.name.startswith(f"{row.environment}/")
+                 and run.name != row.name and row.environment in run.evaluated.get(WARM_START_LABEL, {})), None)
+
+
 def s2r_budget(real_budget: int, s2r_share: float) -> int:
     """The real transitions DreamGym-S2R (and its correction row) may spend: `s2r_share` of B, whole."""
     return int(s2r_share * real_budget)
@@ -126,8 +138,9 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
     feedback, which must pay for an episode (`max_turns`) a round. ParamsError when the budget cannot pay for the
     variant's run."""
     budget = real_budget if variant.real_budget == "full" else s2r_budget(real_budget, s2r_share)
-    overrides = {**variant.overrides, "seed": seed, "sim_to_real.real_transitions": budget,
-                 "evaluate.policies": variant.policies}
+    overrides = {**variant.overrides, "seed": seed, "evaluate.policies": variant.policies}
+    if variant.real_budget != "none":
+        overrides["sim_to_real.real_transitions"] = budget
     if environment is not None:
         overrides |= {"experience_model.environments": [environment], "policy.environments": [environment]}
     if variant.real_budget == "correction":  # DreamGym-S2R's shape: its sim-to-real after the last round
@@ -151,17 +164,18 @@ def run_overrides(variant: Variant, seed: int, real_budget: int, s2r_share: floa
 def stages_not_needed(overrides: dict[str, Any], target: str) -> tuple[str, ...]:
     """The pipeline stages a run with these overrides needs nothing from, though DVC's graph has the stages it runs
     depend on their outputs: for a real-environment row (sim-to-real from the warm start, no synthetic-RL policy
-    evaluated), synthetic RL and, where every environment it plays has a real adapter (none is a seed-only domain,
-    whose held-out games are played inside the experience model), the experience model's training. flows.study
-    leaves them out and stands in for their outputs while the row runs."""
-    real_only = (overrides.get("sim_to_real.start_from") == "sft"
-                 and "synthetic_rl" not in overrides.get("evaluate.policies", ["synthetic_rl"]))
-    if target != "evaluate_policies" or not real_only:
+    evaluated), synthetic RL, and sim-to-real too where its policy is not evaluated (the warm start's row), and,
+    where every environment it plays has a real adapter (none is a seed-only domain, whose held-out games are played
+    inside the experience model), the experience model's training. flows.study leaves them out and stands in for
+    their outputs while the row runs."""
+    policies = overrides.get("evaluate.policies", ["synthetic_rl"])
+    if target != "evaluate_policies" or overrides.get("sim_to_real.start_from") != "sft" or "synthetic_rl" in policies:
         return ()
+    skipped = ("synthetic_rl",) if "sim_to_real" in policies else ("sim_to_real", "synthetic_rl")
     environments = overrides.get("policy.environments")
     if environments and all(has_adapter(name) for name in environments):
-        return "synthetic_rl", EXPERIENCE_STAGE
-    return ("synthetic_rl",)
+        return (*skipped, EXPERIENCE_STAGE)
+    return skipped
 
 
 def scoring_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -263,9 +277,14 @@ def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = 
 
 
 def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
-    """Why running `row` would tell nothing, by the finished runs: the no-curriculum ablation, when DreamGym (GRPO)'s
-    curriculum on the row's environment accepted no variation in any finished run (so DreamGym played the base task
-    schedule, which the ablation plays: the two differ by sampling alone). None when the row can tell something."""
+    """Why running `row` would tell nothing, by the finished runs: the warm start's row, when another run of its
+    environment and seed evaluated the warm start (`measured_elsewhere`: it would play the same policy on the same
+    games); the no-curriculum ablation, when DreamGym (GRPO)'s curriculum on the row's environment accepted no
+    variation in any finished run (so DreamGym played the base task schedule, which the ablation plays: the two
+    differ by sampling alone). None when the row can tell something."""
+    if (measured := measured_elsewhere(row, runs)) is not None:
+        return (f"not informative: {measured.name} played seed {row.seed}'s warm start on the held-out games, and "
+                "those games count as this row's")
     if row.variant.overrides.get("synthetic_rl.curriculum.enabled", True):
         return None
     base = [run for run in runs if run.variant.name == "dreamgym-grpo" and run.name.startswith(f"{row.environment}/")
@@ -396,6 +415,13 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     simulator: dict[str, Any]  # SIMULATOR_FILE ({} if the run did not score its experience model)
 
     @property
+    def rows(self) -> dict[str, str]:
+        """Its variant's rows (label -> method), and the warm start's where it evaluated it (a DreamGym run made
+        before the warm start had a row of its own: `measured_elsewhere`)."""
+        warm_start = {WARM_START_LABEL: "SFT only"} if WARM_START_LABEL in self.evaluated else {}
+        return {**warm_start, **self.variant.rows}
+
+    @property
     def superseded(self) -> str | None:
         """Why a later change to the method superseded it (`supersede`), or None."""
         return self.record.get(SUPERSEDED)
@@ -430,7 +456,8 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     @property
     def from_scratch_seconds(self) -> float | None:
         """What its pipeline costs with nothing cached: the time each stage its row needs took when it ran (experience
-        model, warm start, synthetic RL, sim-to-real, the held-out games and the experience model's scoring),
+        model, warm start, synthetic RL, sim-to-real, its row's policies' held-out games (not those of a warm start it
+        evaluated beside them, which is a row of its own) and the experience model's scoring),
         whichever run ran it; a real-environment row's leaves out synthetic RL and the experience model, which
         `stages_not_needed` spares it (a run kept before that counts them in its wall time, not here). None for a
         run kept without the upstream stages' metrics (UPSTREAM_FILES), and for a correction run, which keeps its last
@@ -441,7 +468,8 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
         synthetic = 0.0 if "synthetic_rl" in self.not_needed else self.synthetic_rl.get("seconds", 0.0)
         return sum(shared.values()) + synthetic + self.sim_to_real.get("seconds", 0.0) \
             + self.simulator.get("seconds", 0.0) + sum(
-            entry.get("wall_s", 0.0) for policy in self.evaluated.values() if isinstance(policy, dict)
+            entry.get("wall_s", 0.0) for label, policy in self.evaluated.items()
+            if label in self.variant.rows and isinstance(policy, dict)
             for entry in policy.values() if isinstance(entry, dict) and "success_rate" in entry)
 
     @property
@@ -508,10 +536,10 @@ def read_games(path: Path) -> dict[tuple[str, str], dict[str, bool]]:
 
 def _method_results(runs: list[Run]):
     """(run, policy label, method, environment, result) for each method's held-out evaluation, once per seed: the
-    same warm start is evaluated in every DreamGym run of a seed, and counts once."""
+    same warm start may have been evaluated in more than one run of a seed (`Run.rows`), and counts once."""
     counted = set()
     for run in runs:
-        for label, method in run.variant.rows.items():
+        for label, method in run.rows.items():
             for environment, result in run.evaluated.get(label, {}).items():
                 if environment == "next_action" or (method, environment, run.seed) in counted:
                     continue
@@ -522,8 +550,8 @@ def _method_results(runs: list[Run]):
 def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any], str]:
     """Pool every method's held-out episodes over `runs` (`finished_runs`); the metrics and a markdown table.
 
-    Methods appear in the order of `variants()`; a method's episodes count once per seed (the same warm start is
-    evaluated in the DreamGym run of each algorithm). Transitions are those the evaluated policy was trained on: real
+    Methods appear in the order of `variants()`; a method's episodes count once per seed (a warm start evaluated in
+    more than one run of its seed counts once). Transitions are those the evaluated policy was trained on: real
     ones in sim-to-real or real RL, synthetic ones when it descends from synthetic RL (whose experience-model
     fallback rate is given too: predictions whose replies could not be parsed, so no simulation).
     """
