@@ -275,9 +275,11 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
     study.keep_files(run_dir, run.state.result())
 
 
-def seed_data(data_dir: str) -> None:
+def seed_data(data_dir: str, results_dir: Path) -> None:
     """The seed data the runs train on, in a fresh clone too: data.dvc's data from the DVC cache, else the default
-    seed set collected and onboarded as the pipeline flow does (a warning if data.dvc then tracks other data)."""
+    seed set collected and onboarded as the pipeline flow does (a warning if data.dvc then tracks other data). Not
+    where `results_dir` keeps runs and data.dvc tracks data that is not here: those runs trained on that data, and
+    rows run on another seed set would be pooled with them (StageError, saying how to get it back)."""
     trajectories = Path(data_dir) / TRAJECTORIES
     if trajectories.is_file():
         return
@@ -285,6 +287,13 @@ def seed_data(data_dir: str) -> None:
     if tracked is not None and subprocess.run(["dvc", "checkout", "--quiet", "data.dvc"], capture_output=True,
                                               ).returncode == 0 and trajectories.is_file():
         return
+    if tracked is not None and (kept := study.kept_runs(results_dir)):
+        raise StageError(
+            f"data.dvc tracks seed data that is neither in {data_dir}/ nor in the DVC cache, and the {len(kept)} "
+            f"run(s) kept in {results_dir} (such as {kept[0].name}) trained on it: a seed set collected now would "
+            "be another one, pooled with theirs. `dvc pull data.dvc` fetches it from the DVC remote that holds it; "
+            "without one, collect it with the code that made it (README, \"The study's seed data\"), then run the "
+            "study again")
     logger = get_run_logger()
     logger.info("no seed data in %s/ and none in the DVC cache: collecting and onboarding the default seed set "
                 "first, as the pipeline flow does (`dvc pull data.dvc` fetches what data.dvc tracks instead)", data_dir)
@@ -326,7 +335,7 @@ def results_study_flow(rows: list[str] | None = None) -> dict:
     results_dir = Path(settings.results_dir)
     planned = study.plan(params, sim_to_real.iteration_cost(params))
     chosen = study.select_rows(planned, rows or (), settings.variants)
-    seed_data(params.data.dir)
+    seed_data(params.data.dir, results_dir)
     failed, submitted = [], []
     if settings.on_work_pool:
         deployments.deploy_study_row(Path.cwd(), params)

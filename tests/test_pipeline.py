@@ -524,6 +524,29 @@ def test_results_study_goes_on_past_a_failed_run_and_names_it(project, monkeypat
     assert not (project / ".dvc" / "tmp" / "study-params.yaml").exists()
 
 
+def test_a_study_with_kept_runs_refuses_to_collect_another_seed_set_when_data_dvcs_is_not_here(tmp_path, monkeypatch):
+    """A fresh clone has data.dvc but not its data: where the results folder keeps runs, they trained on that data,
+    and a seed set collected now (by today's collect_seed) would be another one pooled with theirs. The study stops
+    and says how to get the data back, before collecting anything."""
+    from flows.study import seed_data
+    from stages.common import StageError
+
+    run("git", "init", "-q", cwd=tmp_path)
+    run("dvc", "init", "-q", cwd=tmp_path)
+    (tmp_path / "data.dvc").write_text("outs:\n- md5: 23fcde66882814338918804aa25dade7.dir\n  size: 1924732\n"
+                                       "  nfiles: 4\n  hash: md5\n  path: data\n")
+    kept = tmp_path / "results" / "textworld-cooking" / "real-grpo-seed0"
+    kept.mkdir(parents=True)
+    (kept / "evaluate_policies.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(StageError, match=r"data.dvc tracks seed data that is neither in data/ nor in the DVC cache, "
+                                         r"and the 1 run\(s\) kept in results \(such as textworld-cooking/"
+                                         r"real-grpo-seed0\) trained on it.*`dvc pull data.dvc`.*seed data"):
+        seed_data("data", Path("results"))
+    assert not (tmp_path / "data").exists() and not (tmp_path / "seed").exists()  # nothing collected
+
+
 def test_a_study_killed_mid_run_leaves_nothing_that_stops_the_next_dvc_exp_run(tmp_path, monkeypatch):
     """A study killed inside `dvc exp run` (a session's end) leaves the run's params.yaml in the working tree and in
     the git index; with it staged, every later `dvc exp run` fails on its stash. The next study puts back the user's
