@@ -336,12 +336,14 @@ def commit_project(project, monkeypatch) -> str:
 
 def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefect_server, tiny_model_dir):
     """`dreamgym flow results_study` on a real Prefect server: each variant is a `dvc exp run` whose metrics are
-    kept with a record; the report pools them; a second call runs nothing; params.yaml is left as the user wrote it."""
+    kept with a record (the warm start's row a `dvc repro` without sim-to-real and synthetic RL); the report pools
+    them; a second call runs nothing; params.yaml is left as the user wrote it."""
     from prefect.client.orchestration import get_client
 
     from flows.study import results_study_flow
 
-    set_params(onboarded, demo_kitchen_study(tiny_model_dir))
+    set_params(onboarded, {**demo_kitchen_study(tiny_model_dir),
+                           "study.variants": ["sft-only", "dreamgym-grpo", "no-curriculum"]})
     commit_project(onboarded, monkeypatch)  # `dvc exp run` needs a commit
     params_before = (onboarded / "params.yaml").read_text()
     monkeypatch.chdir(onboarded)
@@ -351,7 +353,11 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     results = onboarded / "reports" / "results_study"
     assert [p.name for p in results.iterdir() if p.is_dir()] == ["demo-kitchen"]  # a folder per environment
     # the tiny model's curriculum writes no task: the ablation would play DreamGym's schedule, so the study skips it
-    assert sorted(p.name for p in (results / "demo-kitchen").iterdir()) == ["dreamgym-grpo-seed0"]
+    assert sorted(p.name for p in (results / "demo-kitchen").iterdir()) == ["dreamgym-grpo-seed0", "sft-only-seed0"]
+    warm_start = results / "demo-kitchen" / "sft-only-seed0"
+    played = json.loads((warm_start / "evaluate_policies.json").read_text())
+    assert "sft_warm_start" in played and not {"synthetic_grpo", "sim-to-real"} & set(played)
+    assert not (warm_start / "sim_to_real.json").exists() and not (warm_start / "synthetic_rl.json").exists()
     assert "| demo-kitchen/no-curriculum-seed0 | not informative: " in (results / "README.md").read_text()
     # DreamGym's run scored its experience model too (held-out seed steps: a seed-only domain has no game to play)
     fidelity = json.loads((results / "demo-kitchen" / "dreamgym-grpo-seed0" / "evaluate_experience_model.json"
@@ -361,7 +367,7 @@ def test_results_study_flow_runs_each_variant_once(onboarded, monkeypatch, prefe
     metrics = results_study_flow(rows=["demo-kitchen/no-curriculum-seed0"])  # named, it runs
 
     runs = sorted(p.name for p in (results / "demo-kitchen").iterdir())
-    assert runs == ["dreamgym-grpo-seed0", "no-curriculum-seed0"]
+    assert runs == ["dreamgym-grpo-seed0", "no-curriculum-seed0", "sft-only-seed0"]
     record = json.loads((results / "demo-kitchen" / "no-curriculum-seed0" / "run.json").read_text())
     assert record["params_set"]["synthetic_rl.curriculum.enabled"] is False and record["profile"] == "custom"
     assert record["seconds"] > 0 and len(record["commit"]) == 40
