@@ -42,7 +42,7 @@ from components.reports import (
 from components.results.evaluation import SIMULATED
 from components.stats import wilson_interval
 
-WARM_START_LABEL = "sft_warm_start"  # evaluate_policies' label of the warm start, the table's "SFT only"
+WARM_START_LABEL, WARM_START_METHOD = "sft_warm_start", "SFT only"  # evaluate_policies' label, the table's row
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,7 @@ def variants(algorithm_names: tuple[str, ...] = ("grpo", "ppo")) -> list[Variant
     seed, first: it trains what every other run of the seed starts from), the runs of each algorithm, then the three
     ablations (on GRPO, as in the paper). Beside the paper's rows, real-environment RL at DreamGym-S2R's budget:
     without it, S2R's gain over the warm start cannot be told apart from what its few real transitions alone buy."""
-    found = [Variant("sft-only", {"sim_to_real.start_from": "sft"}, {WARM_START_LABEL: "SFT only"},
-                     "none")]
+    found = [Variant("sft-only", {"sim_to_real.start_from": "sft"}, {WARM_START_LABEL: WARM_START_METHOD}, "none")]
     for number, algorithm in enumerate(algorithm_names):
         upper = algorithm.upper()
 
@@ -418,7 +417,7 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     def rows(self) -> dict[str, str]:
         """Its variant's rows (label -> method), and the warm start's where it evaluated it (a DreamGym run made
         before the warm start had a row of its own: `measured_elsewhere`)."""
-        warm_start = {WARM_START_LABEL: "SFT only"} if WARM_START_LABEL in self.evaluated else {}
+        warm_start = {WARM_START_LABEL: WARM_START_METHOD} if WARM_START_LABEL in self.evaluated else {}
         return {**warm_start, **self.variant.rows}
 
     @property
@@ -660,7 +659,7 @@ class Claim:
     paper_gap: float | None = None  # the paper's A - B with GRPO on WebShop, in points (DESIGN.md); None: ours
 
 
-WARM_START = Claim("Synthetic-only RL improves on the warm start", "DreamGym ({A})", "SFT only", "better",
+WARM_START = Claim("Synthetic-only RL improves on the warm start", "DreamGym ({A})", WARM_START_METHOD, "better",
                    63.9 - 35.1)
 MATCHES_REAL = Claim("Synthetic-only RL matches RL in the real environment", "DreamGym ({A})",
                      "{A} in the real environment", "not worse", 63.9 - 65.0)
