@@ -118,7 +118,7 @@ def measured_elsewhere(row: PlannedRun, runs: list[Run]) -> Run | None:
     made before the warm start had a row of its own evaluated it too). Its games count as the row's."""
     if list(row.variant.rows) != [WARM_START_LABEL]:
         return None
-    return next((run for run in runs if run.seed == row.seed and run.name.startswith(f"{row.environment}/")
+    return next((run for run in runs if run.seed == row.seed and run.environment == row.environment
                  and run.name != row.name and row.environment in run.evaluated.get(WARM_START_LABEL, {})), None)
 
 
@@ -286,7 +286,7 @@ def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
                 "those games count as this row's")
     if row.variant.overrides.get("synthetic_rl.curriculum.enabled", True):
         return None
-    base = [run for run in runs if run.variant.name == "dreamgym-grpo" and run.name.startswith(f"{row.environment}/")
+    base = [run for run in runs if run.variant.name == "dreamgym-grpo" and run.environment == row.environment
             and run.synthetic_rl.get("curriculum", {}).get("curriculum_enabled")]
     if not base or any(run.synthetic_rl["curriculum"].get("accepted", 0) for run in base):
         return None
@@ -412,6 +412,11 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
     correction: dict[str, Any]  # correction_rounds.json of a correction run ({} otherwise)
     upstream: list[dict[str, Any]]  # UPSTREAM_FILES ({} for one the run did not keep)
     simulator: dict[str, Any]  # SIMULATOR_FILE ({} if the run did not score its experience model)
+
+    @property
+    def environment(self) -> str | None:
+        """The environment its folder names; None for a run kept before runs were per environment."""
+        return self.name.partition("/")[0] if "/" in self.name else None
 
     @property
     def rows(self) -> dict[str, str]:
