@@ -654,10 +654,11 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
                                                                    "seconds": 240.0,
                                                                    "experience_model": {"fallback_rate": 1 / 601}}))
     (metrics_dir / "sim_to_real.json").write_text(json.dumps(
-        {"start_from": "synthetic_rl", "iterations": 1, "real_transitions_used": 16, "seconds": 60.0}))
+        {"start_from": "synthetic_rl", "iterations": 1, "episodes": 2, "real_transitions_used": 16, "seconds": 60.0}))
     (metrics_dir / "synthetic_rl_iterations.csv").write_text(
         "iteration,reward_mean,tasks\n1,0.0,tw-a\n2,0.5,tw-b\n")
-    (metrics_dir / "sim_to_real_iterations.csv").write_text("iteration,reward_mean,env_transitions\n1,1.0,16\n")
+    (metrics_dir / "sim_to_real_iterations.csv").write_text(
+        "iteration,reward_mean,success_rate,env_transitions\n1,0.5,0.5,16\n")
     results = tmp_path / "results"
     (results / "dreamgym-grpo-seed0").mkdir(parents=True)  # an earlier copy of the run: replaced whole
     (results / "dreamgym-grpo-seed0" / "stale.json").write_text("{}")
@@ -677,6 +678,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
     assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | ? | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
+    assert "| synthetic_rl | 1 | 1/2 | 16 |" in text  # its real RL won 1 of its 2 episodes
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
     assert 'profile quick)' in text

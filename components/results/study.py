@@ -936,9 +936,10 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
 
 
 def runs_table(runs: list[Run]) -> str:
-    """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed. A run's
-    wall time is what it took here (DVC reuses the stages it shares with an earlier run, and a resumed run counts
-    from its resumption); from scratch and the RL stages' own time are what its stages took when they ran."""
+    """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed and won in
+    the real environment (where none of its real episodes won, GRPO had no advantage to follow). A run's wall time is
+    what it took here (DVC reuses the stages it shares with an earlier run, and a resumed run counts from its
+    resumption); from scratch and the RL stages' own time are what its stages took when they ran."""
     rows = []
     for run in runs:
         synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
@@ -951,7 +952,7 @@ def runs_table(runs: list[Run]) -> str:
             _percent(synthetic["experience_model"]["fallback_rate"]) if "experience_model" in synthetic else "-",
             _confirmed_wins(run) if synthetic else "-",
             _simulator_false_wins(run),
-            run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0),
+            run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0), _real_episodes_won(run),
             run.real_transitions("sim-to-real")])
     return markdown_table(["run", "profile", "commit", "wall time (min)", "from scratch (min)",
                            "RL stages' time (min)",
@@ -959,7 +960,7 @@ def runs_table(runs: list[Run]) -> str:
                            "synthetic wins the real game confirms",
                            "simulator's false wins (held-out seed steps; its warm start's play; fallbacks of its "
                            "predictions)",
-                           "sim-to-real from", "real RL iterations",
+                           "sim-to-real from", "real RL iterations", "real RL episodes won",
                            "real transitions"], rows)
 
 
@@ -1135,6 +1136,15 @@ def _simulator_false_wins(run: Run) -> str:
         text += (f" (fallbacks {sum(p['fallbacks'] for p in predictions)}/"
                  f"{sum(p['requests'] for p in predictions)})")
     return text
+
+
+def _real_episodes_won(run: Run) -> str:
+    """Of the episodes its real-environment RL played (its last round's, for a correction run), how many it won, from
+    the iteration log (each iteration plays the same number of episodes)."""
+    rows, episodes = run.iterations("sim_to_real"), run.sim_to_real.get("episodes")
+    if not rows or not episodes or any("success_rate" not in row for row in rows):
+        return "-"
+    return f"{round(sum(row['success_rate'] for row in rows) * episodes / len(rows))}/{episodes}"
 
 
 def _confirmed_wins(run: Run) -> str:
