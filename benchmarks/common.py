@@ -12,11 +12,13 @@ def print_machine(threads: int) -> None:
     """Set torch's threads when asked (0: its default), then print the command line and the machine."""
     import torch
 
+    from components.llm.sft import hardware
+
     if threads:
         torch.set_num_threads(threads)
     print(f"$ {shlex.join([Path(sys.executable).name, *sys.argv])}")
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-          f"device {'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", flush=True)
+          f"device {hardware()}", flush=True)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

@@ -25,7 +25,7 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                            emphasis=sft.Emphasis(VERDICT_WORDS, settings.verdict_weight))
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
                "train_loss": result.train_loss, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
-               "resumed": result.resumed_from is not None}
+               "resumed": result.resumed_from is not None, "precision": result.precision, "hardware": result.hardware}
     write_stage_outputs("train_experience_model", metrics, report(params, result, prompt_format(params)), root)
     return metrics
 

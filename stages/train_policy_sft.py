@@ -38,7 +38,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                                                params.policy.max_action_tokens)
     metrics = {"demonstrations": len(demos), "examples": result.examples, "too_long": result.too_long,
                "global_step": result.global_step, "train_loss": result.train_loss, "final_loss": result.final_loss,
-               "seconds": round(result.seconds, 1), "heldout_next_action": accuracy}
+               "seconds": round(result.seconds, 1), "precision": result.precision, "hardware": result.hardware,
+               "heldout_next_action": accuracy}
     write_stage_outputs("train_policy_sft", metrics, report(params, result, demos, heldout, accuracy), root)
     return metrics
 

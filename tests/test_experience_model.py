@@ -699,6 +699,7 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
     result = train_sft(dataset, str(tiny), tmp_path / "exp", settings, cache_dir=tmp_path)
     assert result.global_step == 2 and result.final_loss is not None and result.train_loss is not None
     assert (result.examples, result.too_long) == (6, 0)
+    assert result.precision == "fp32" and f"s in fp32 on {result.hardware}" in result.summary()
     assert (tmp_path / "exp" / "checkpoints" / "checkpoint-1").is_dir()
     model, tokenizer = load_trained_model(result.model_dir)
     assert not (result.model_dir / "adapter_config.json").exists()  # merged into a plain model
@@ -720,6 +721,24 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
     # and its training time, read from the checkpoint (this invocation trained nothing)
     assert 0 < again.seconds == float((checkpoint / "training_seconds.txt").read_text()) <= result.seconds
     load_trained_model(again.model_dir)
+
+
+def test_the_same_seed_trains_the_same_model_byte_for_byte_and_another_seed_another(tiny: Path, tmp_path: Path):
+    """A study's rows of one seed share its warm start only where DVC restores it: one trained again must be the same
+    model, or rows of one seed compare policies from different starts."""
+    dataset = sft_examples(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), None, fmt(), outcome_repeats=1,
+                           lookalike_repeats=1)
+    settings = settings_from_params("training", epochs=1.0, max_steps=2, learning_rate=2e-4, batch_size=2,
+                                    gradient_accumulation_steps=1, max_seq_len=1536, precision="fp32", seed=3,
+                                    lora=settings_from_params("lora", r=4, alpha=8, top_layers=1))
+
+    def weights(name: str, seed: int) -> dict[str, bytes]:
+        trained = train_sft(dataset, str(tiny), tmp_path / name, replace(settings, seed=seed), cache_dir=tmp_path)
+        return {path.name: path.read_bytes() for path in trained.model_dir.iterdir() if path.suffix == ".safetensors"}
+
+    first = weights("first", 3)
+    assert first and weights("again", 3) == first
+    assert weights("other", 4) != first
 
 
 def test_the_verdict_token_weighs_more_in_the_loss_and_a_changed_weight_starts_training_over(tiny: Path,

@@ -172,6 +172,7 @@ def test_experience_model_stages_train_and_score_fidelity(onboarded, tiny_model_
         run("dreamgym", "stage", stage, cwd=onboarded)
     trained = json.loads((onboarded / "metrics" / "train_experience_model.json").read_text())
     assert trained["global_step"] == 1 and trained["examples"] > 0
+    assert trained["precision"] in ("fp32", "bf16") and trained["hardware"].startswith(("cpu: ", "cuda: "))
     assert (onboarded / "models" / "experience" / "model" / "config.json").exists()
     fidelity = json.loads((onboarded / "metrics" / "evaluate_experience_model.json").read_text())
     assert fidelity["transitions"] == 3 and fidelity["prediction"]["requests"] == 3
@@ -213,6 +214,7 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
     assert json.loads((onboarded / "metrics" / "evaluate_baselines.json").read_text())["skipped"] == ["demo-kitchen"]
     warm = json.loads((onboarded / "metrics" / "train_policy_sft.json").read_text())
     assert warm["global_step"] == 1 and warm["demonstrations"] > 0 and warm["heldout_next_action"]["steps"] > 0
+    assert warm["precision"] in ("fp32", "bf16") and warm["hardware"].startswith(("cpu: ", "cuda: "))
     rl = json.loads((onboarded / "metrics" / "synthetic_rl.json").read_text())
     assert rl["iterations"] == 2 and rl["episodes"] == 4 and rl["synthetic_transitions"] > 0
     rows = (onboarded / "metrics" / "synthetic_rl_iterations.csv").read_text().splitlines()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import platform
 import re
 import shutil
 import time
@@ -93,13 +94,17 @@ class TrainingResult:
     final_loss: float | None  # the last logged loss
     resumed_from: str | None
     seconds: float  # training time over every invocation of the run, resumed ones included
+    # What it trained in and on: the same seed trains the same model on one machine, not on another whose "auto"
+    # precision or kernels differ, so a run's record says which it was.
+    precision: Literal["fp32", "bf16"]
+    hardware: str
 
     def summary(self) -> str:
-        """The run's losses and time, for a report."""
+        """The run's losses, time and machine, for a report."""
         losses = (f"training loss {self.train_loss:.4f} on average, {self.final_loss:.4f} at the last logged step"
                   if self.train_loss is not None else "no training loss logged")
-        resumed = f" (this run's only: it resumed from `{Path(self.resumed_from).name}`)" if self.resumed_from else ""
-        return f"{losses}, {self.seconds:.0f} s{resumed}"
+        resumed = f", resumed from `{Path(self.resumed_from).name}`" if self.resumed_from else ""
+        return f"{losses}, {self.seconds:.0f} s in {self.precision} on {self.hardware}{resumed}"
 
 
 SECONDS_FILE = "training_seconds.txt"  # in each checkpoint: the training time up to it, earlier invocations included
@@ -207,7 +212,7 @@ def train_sft(
         trained, tokenizer = load_trained_model(resume)
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
-                              resume, _seconds_until(resume))
+                              resume, _seconds_until(resume), resolve_precision(settings.precision), hardware())
 
     args = SFTConfig(
         output_dir=str(checkpoints),
@@ -256,7 +261,8 @@ def train_sft(
     trainer.train(resume_from_checkpoint=resume)
     model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
-                          *_losses(trainer.state.log_history), resume, progress.seconds())
+                          *_losses(trainer.state.log_history), resume, progress.seconds(),
+                          resolve_precision(settings.precision), hardware())
 
 
 def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -335,6 +341,19 @@ def resolve_precision(precision: Literal["auto", "fp32", "bf16"]) -> Literal["fp
     except OSError:
         return "fp32"
     return "bf16" if re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) else "fp32"
+
+
+def hardware() -> str:
+    """The device that computes: the GPU's name, or the CPU's model (Linux) or architecture."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name()}"
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    return f"cpu: {found.group(1).strip() if found else platform.machine()}"
 
 
 def _fingerprint(dataset: Dataset, base_model: str, settings: TrainingSettings, emphasis: Emphasis | None = None
