@@ -33,6 +33,7 @@ from components.results.study import (
     success_plot,
     untested_reasons,
     variants,
+    warm_starts,
 )
 from components.stats import wilson_interval
 from dreamgym.cli import main
@@ -212,7 +213,7 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
 
     # its row's games only: the warm start it played beside them is a row of its own (sft-only)
     assert finished_runs(results)[0].from_scratch_seconds == 3000 + 1200 + 2400 + 600 + 600
-    assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 20.0 | 130.0 |" in text
+    assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 0a | 20.0 | 130.0 |" in text
     assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 130 (mean of 1) |" in text
     assert (f"| {tw}/no-curriculum-seed0 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed "
             "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in its 1 finished run(s) "
@@ -248,6 +249,22 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
            "where DVC's run cache trains the warm start once for all its rows and the experience model once for the " \
            "rows that set the same experience_model params." in report(
                results, 0.95, ("grpo",), together, "cpu")[1]
+
+
+def test_runs_that_restored_one_warm_start_share_its_name_and_one_trained_again_gets_another(tmp_path):
+    tw = "textworld-cooking"
+    results = tmp_path / "results"
+    trained = {"sft-only-seed1": {"final_loss": 0.006, "seconds": 4158.6}, "real-grpo-seed1": {},
+               "real-ppo-s2r-budget-seed1": {"final_loss": 0.006, "seconds": 5000.0},  # its training resumed
+               "real-grpo-s2r-budget-seed1": {"final_loss": 0.0048, "seconds": 2633.3},  # trained on another machine
+               "real-ppo-s2r-budget-seed2": {"final_loss": 0.006, "seconds": 4158.6}}  # another seed's, alike
+    for name, record in trained.items():
+        _run(results, f"{tw}/{name}", {"sim-to-real": {tw: _evaluation(1, 4)}}, start_from="sft")
+        if record:
+            (results / tw / name / "train_policy_sft.json").write_text(json.dumps(record))
+    assert warm_starts(finished_runs(results)) == {
+        f"{tw}/real-grpo-s2r-budget-seed1": "1a", f"{tw}/real-grpo-seed1": "?", f"{tw}/real-ppo-s2r-budget-seed1": "1b",
+        f"{tw}/real-ppo-s2r-budget-seed2": "2a", f"{tw}/sft-only-seed1": "1b"}
 
 
 def test_the_warm_start_is_a_row_of_its_own_that_counts_once_per_seed(tmp_path):
@@ -375,8 +392,8 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     assert (scored / "evaluate_experience_model.json").is_file()
     assert not (unscored / "evaluate_experience_model.json").exists()
     text = report(results, 0.95, ("grpo",))[1]
-    assert "| dreamgym-grpo-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | 0/27; 1/26 (fallbacks 7/64) |" in text
-    assert "| no-retrieval-seed0 | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | not scored: it failed |" in text
+    assert "| dreamgym-grpo-seed0 | ? | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | 0/27; 1/26 (fallbacks 7/64) |" in text
+    assert "| no-retrieval-seed0 | ? | ? | ? | 1.0 | ? | 0.0 | - | - | - | - | not scored: it failed |" in text
 
 
 def test_study_run_refuses_a_row_the_study_does_not_plan_and_names_those_it_does(capsys):
@@ -677,7 +694,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert json.loads((run_dir / "run.json").read_text()) == record
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
-    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | 10.0 | ? | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
+    assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | ? | 10.0 | ? | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
     assert "| synthetic_rl | 1 | 1/2 | 16 |" in text  # its real RL won 1 of its 2 episodes
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from statistics import NormalDist
+from string import ascii_lowercase
 from typing import Any
 
 from components.config import ParamsError
@@ -936,15 +937,16 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
 
 
 def runs_table(runs: list[Run]) -> str:
-    """One line per run: what it set, its profile, commit and wall time, and what its RL stages consumed and won in
+    """One line per run: what it set, its profile, commit, warm start (`warm_starts`) and wall time, and what its RL
+    stages consumed and won in
     the real environment (where none of its real episodes won, GRPO had no advantage to follow). A run's wall time is
     what it took here (DVC reuses the stages it shares with an earlier run, and a resumed run counts from its
     resumption); from scratch and the RL stages' own time are what its stages took when they ran."""
-    rows = []
+    rows, starts = [], warm_starts(runs)
     for run in runs:
         synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
         rows.append([
-            run.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8],
+            run.name, run.record.get("profile", "?"), str(run.record.get("commit", "?"))[:8], starts[run.name],
             f"{run.record['seconds'] / 60:.1f}" if "seconds" in run.record else "?",
             f"{run.from_scratch_seconds / 60:.1f}" if run.from_scratch_seconds is not None else "?",
             f"{(synthetic.get('seconds', 0.0) + run.sim_to_real.get('seconds', 0.0)) / 60:.1f}",
@@ -954,7 +956,7 @@ def runs_table(runs: list[Run]) -> str:
             _simulator_false_wins(run),
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0), _real_episodes_won(run),
             run.real_transitions("sim-to-real")])
-    return markdown_table(["run", "profile", "commit", "wall time (min)", "from scratch (min)",
+    return markdown_table(["run", "profile", "commit", "warm start", "wall time (min)", "from scratch (min)",
                            "RL stages' time (min)",
                            "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
                            "synthetic wins the real game confirms",
@@ -1138,6 +1140,24 @@ def _simulator_false_wins(run: Run) -> str:
     return text
 
 
+def warm_starts(runs: list[Run]) -> dict[str, str]:
+    """Which runs share a warm start: the same training record but its time (a resumed training takes another) is the
+    same model, restored by DVC or trained again alike (one seed trains one model on one machine, another machine's
+    may differ), named by its seed and a letter in order of appearance; "?" for a run that kept no record of it."""
+    names: dict[tuple[int, str], str] = {}
+    labels: dict[str, str] = {}
+    for run in runs:
+        record = run.upstream[UPSTREAM_FILES.index("train_policy_sft.json")] if run.upstream else {}
+        if not record:
+            labels[run.name] = "?"
+            continue
+        key = (run.seed, json.dumps({k: v for k, v in record.items() if k != "seconds"}, sort_keys=True))
+        if key not in names:
+            names[key] = f"{run.seed}{ascii_lowercase[sum(seed == run.seed for seed, _ in names) % 26]}"
+        labels[run.name] = names[key]
+    return labels
+
+
 def _real_episodes_won(run: Run) -> str:
     """Of the episodes its real-environment RL played (its last round's, for a correction run), how many it won, from
     the iteration log (each iteration plays the same number of episodes)."""
@@ -1234,7 +1254,10 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
             + f"\n## A reading of each claim\n\n{READING_NOTE}\n\n"
             + claims_reading(found, metrics, untested_reasons(statuses or []), algorithm_names,
                              sorted({status.row.environment for status in statuses or []}))
-            + f"\n## Runs\n\n{runs_table(runs)}"
+            + "\n## Runs\n\nRuns whose warm start has one name (its seed and a letter) started from the same model: "
+              "its training record is the same but for the time. A seed's rows trained on other machines may start "
+              "from another, since one seed trains one model on one machine only.\n\n"
+            + runs_table(runs)
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
             + superseded_section(superseded)
             + _plan_section(planned, statuses, profile, others, budget))
