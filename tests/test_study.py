@@ -259,12 +259,24 @@ def test_runs_that_restored_one_warm_start_share_its_name_and_one_trained_again_
                "real-grpo-s2r-budget-seed1": {"final_loss": 0.0048, "seconds": 2633.3},  # trained on another machine
                "real-ppo-s2r-budget-seed2": {"final_loss": 0.006, "seconds": 4158.6}}  # another seed's, alike
     for name, record in trained.items():
-        _run(results, f"{tw}/{name}", {"sim-to-real": {tw: _evaluation(1, 4)}}, start_from="sft")
+        label = "sft_warm_start" if name.startswith("sft-only") else "sim-to-real"
+        _run(results, f"{tw}/{name}", {label: {tw: _evaluation(1, 4)}}, start_from="sft")
         if record:
             (results / tw / name / "train_policy_sft.json").write_text(json.dumps(record))
     assert warm_starts(finished_runs(results)) == {
         f"{tw}/real-grpo-s2r-budget-seed1": "1a", f"{tw}/real-grpo-seed1": "?", f"{tw}/real-ppo-s2r-budget-seed1": "1b",
         f"{tw}/real-ppo-s2r-budget-seed2": "2a", f"{tw}/sft-only-seed1": "1b"}
+
+    # a claim whose two runs of a seed started from different models says so; one from the same model does not
+    _run(results, f"{tw}/dreamgym-grpo-seed1", {"synthetic_grpo": {tw: _evaluation(1, 4)},
+                                                "sim-to-real": {tw: _evaluation(1, 4)}})
+    (results / tw / "dreamgym-grpo-seed1" / "train_policy_sft.json").write_text(json.dumps(trained["sft-only-seed1"]))
+    runs = finished_runs(results)
+    metrics, _ = aggregate(runs)
+    found = {(c.method_a, c.method_b): c for c in comparisons(metrics, ("grpo",), runs=runs)}
+    assert found[("DreamGym-S2R (GRPO)", "GRPO in the real environment at S2R's budget")].other_warm_starts == (1,)
+    assert found[("DreamGym (GRPO)", "SFT only")].other_warm_starts == ()
+    assert found[("DreamGym-S2R (GRPO)", "GRPO in the real environment")].other_warm_starts == ()  # "?": not known
 
 
 def test_the_warm_start_is_a_row_of_its_own_that_counts_once_per_seed(tmp_path):

@@ -715,6 +715,7 @@ class Comparison:
     verdict: str
     observed: float | None = None  # A - B in success rate
     detectable: float | None = None  # the smallest true A - B found with 80% power here
+    other_warm_starts: tuple[int, ...] = ()  # seeds whose A and B runs started from different models (`warm_starts`)
 
     @property
     def outcome(self) -> str:
@@ -753,14 +754,19 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
     more conservative: with 22 games, 6 wins against 16). One test per claim, not corrected for the number of claims.
     """
     games = games or {}
+    starts = warm_starts(runs or [])
+    start_of = {(method, environment, run.seed): starts[run.name]
+                for run, _, method, environment, _ in _method_results(runs or [])}
     found = []
     for claim, a, b, algorithm in claim_pairs(algorithm_names):
         for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
             ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence)
             pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
+            other = tuple(seed for seed in sorted(set(ra.get("seeds", [])) & set(rb.get("seeds", [])))
+                          if _other_starts(start_of.get((a, environment, seed)), start_of.get((b, environment, seed))))
             found.append(Comparison(claim, algorithm, claim.text.format(share=_share(ra, rb)), environment, a, b, ra,
                                     rb, pairs, _verdict(ra, rb, claim.kind, pairs, confidence),
-                                    *_difference(ra, rb, pairs, confidence)))
+                                    *_difference(ra, rb, pairs, confidence), other))
         if claim.kind == "better with generated tasks":  # the answer is known without the ablation's run
             for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
                 ra = metrics[a][environment]
@@ -769,6 +775,11 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
                                             "not tested: the curriculum accepted no generated task, so B would play "
                                             "A's tasks"))
     return found
+
+
+def _other_starts(a: str | None, b: str | None) -> bool:
+    """Whether two runs' warm starts (`warm_starts`) are known to be different models."""
+    return a not in (None, "?") and b not in (None, "?") and a != b
 
 
 def matched_seeds(metrics: dict[str, Any], a: str, b: str, environment: str, runs: list[Run] | None,
@@ -868,6 +879,10 @@ def _reading(comparison: Comparison) -> str:
                    if paper / 100 >= c.detectable else " The paper's gap is smaller than this comparison detects.")
     elif c.pairs is not None and c.outcome == "not contradicted":
         meaning = f" A shortfall of {100 * c.detectable:.0f} points or more would usually have been detected here."
+    if c.other_warm_starts:
+        which = f"seed{'s' * (len(c.other_warm_starts) > 1)} {', '.join(map(str, c.other_warm_starts))}"
+        meaning += (f" On {which}, A and B started from different warm starts (the runs table's), so their games "
+                    "differ by the start too.")
     return f"**{c.outcome}**{c.verdict[len(c.outcome):]} ({gaps}).{meaning}"
 
 
