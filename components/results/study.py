@@ -1167,8 +1167,9 @@ def warm_starts(runs: list[Run]) -> dict[str, str]:
             labels[run.name] = "?"
             continue
         key = (run.seed, json.dumps({k: v for k, v in record.items() if k != "seconds"}, sort_keys=True))
-        if key not in names:
-            names[key] = f"{run.seed}{ascii_lowercase[sum(seed == run.seed for seed, _ in names) % 26]}"
+        if key not in names:  # a letter, then a number: two models never share a name
+            count = sum(seed == run.seed for seed, _ in names)
+            names[key] = f"{run.seed}{ascii_lowercase[count] if count < 26 else f'.{count + 1}'}"
         labels[run.name] = names[key]
     return labels
 
