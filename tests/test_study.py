@@ -278,6 +278,12 @@ def test_runs_that_restored_one_warm_start_share_its_name_and_one_trained_again_
     assert found[("DreamGym (GRPO)", "SFT only")].other_warm_starts == ()
     assert found[("DreamGym-S2R (GRPO)", "GRPO in the real environment")].other_warm_starts == ()  # "?": not known
 
+    # another environment's warm start of seed 1, listed before TextWorld's runs, renames none of them
+    textworld = warm_starts(runs)
+    _run(results, "miniwob/sft-only-seed1", {"sft_warm_start": {"miniwob": _evaluation(1, 4)}}, start_from="sft")
+    (results / "miniwob" / "sft-only-seed1" / "train_policy_sft.json").write_text(json.dumps({"final_loss": 0.1}))
+    assert warm_starts(finished_runs(results)) == {**textworld, "miniwob/sft-only-seed1": "1a"}
+
 
 def test_the_warm_start_is_a_row_of_its_own_that_counts_once_per_seed(tmp_path):
     """The warm start's row plays it without sim-to-real; where a DreamGym run of the seed played it before the row

@@ -1158,17 +1158,19 @@ def _simulator_false_wins(run: Run) -> str:
 def warm_starts(runs: list[Run]) -> dict[str, str]:
     """Which runs share a warm start: the same training record but its time (a resumed training takes another) is the
     same model, restored by DVC or trained again alike (one seed trains one model on one machine, another machine's
-    may differ), named by its seed and a letter in order of appearance; "?" for a run that kept no record of it."""
-    names: dict[tuple[int, str], str] = {}
+    may differ), named by its seed and a letter in order of appearance within its environment (so one environment's
+    names stay put as another's runs land); "?" for a run that kept no record of it."""
+    names: dict[tuple[str | None, int, str], str] = {}
     labels: dict[str, str] = {}
     for run in runs:
         record = run.upstream[UPSTREAM_FILES.index("train_policy_sft.json")] if run.upstream else {}
         if not record:
             labels[run.name] = "?"
             continue
-        key = (run.seed, json.dumps({k: v for k, v in record.items() if k != "seconds"}, sort_keys=True))
-        if key not in names:  # a letter, then a number: two models never share a name
-            count = sum(seed == run.seed for seed, _ in names)
+        key = (run.environment, run.seed,
+               json.dumps({k: v for k, v in record.items() if k != "seconds"}, sort_keys=True))
+        if key not in names:  # a letter, then a number: two models of one environment never share a name
+            count = sum(key[:2] == other[:2] for other in names)
             names[key] = f"{run.seed}{ascii_lowercase[count] if count < 26 else f'.{count + 1}'}"
         labels[run.name] = names[key]
     return labels
@@ -1270,9 +1272,9 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
             + f"\n## A reading of each claim\n\n{READING_NOTE}\n\n"
             + claims_reading(found, metrics, untested_reasons(statuses or []), algorithm_names,
                              sorted({status.row.environment for status in statuses or []}))
-            + "\n## Runs\n\nRuns whose warm start has one name (its seed and a letter) started from the same model: "
-              "its training record is the same but for the time. A seed's rows trained on other machines may start "
-              "from another, since one seed trains one model on one machine only.\n\n"
+            + "\n## Runs\n\nRuns of one environment whose warm start has one name (its seed and a letter) started from "
+              "the same model: its training record is the same but for the time. A seed's rows trained on other "
+              "machines may start from another, since one seed trains one model on one machine only.\n\n"
             + runs_table(runs)
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
             + superseded_section(superseded)
