@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,56 @@ from stages.correction_rounds import round_path
 # otherwise leave them there, and every later run would inherit them (an ablation would train the killed run's
 # algorithm). The next study puts the file back first.
 PARAMS_BACKUP = Path(".dvc/tmp/study-params.yaml")
+
+# A row's wall time over its invocations: a study killed mid-row (a session's end) cannot record what the row took,
+# so the running row's clock is written here every minute and the row's next invocation goes on from it.
+ROW_CLOCKS = Path(".dvc/tmp/study-clocks")
+
+
+class RowClock:
+    """A row's wall time: `earlier`, its stopped invocations' (the clock file they left), and this invocation's."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.recorded = path, False
+        self.earlier = float(json.loads(path.read_text(encoding="utf-8"))["seconds"]) if path.is_file() else 0.0
+        self.started = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return self.earlier + time.monotonic() - self.started
+
+    def save(self) -> None:
+        if self.recorded:  # the row's record holds its time now
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps({"seconds": round(self.seconds, 1)}), encoding="utf-8")
+        partial.replace(self.path)
+
+
+@contextmanager
+def row_clock(name: str, every: float = 60.0) -> Iterator[RowClock]:
+    """The clock named `name` (`RowClock`), saved every `every` seconds while the row runs. Its file goes when the
+    caller has recorded the row's time (`clock.recorded`: finished, or a failed attempt kept); a stopped row
+    (SIGTERM, SIGKILL) leaves it for the next invocation."""
+    clock, stop = RowClock(ROW_CLOCKS / f"{name}.json"), threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            clock.save()
+
+    clock.save()
+    ticking = threading.Thread(target=tick, name=f"clock {name}", daemon=True)
+    ticking.start()
+    try:
+        yield clock
+    finally:
+        stop.set()
+        ticking.join()
+        if clock.recorded:
+            clock.path.unlink(missing_ok=True)
+        else:
+            clock.save()
 
 
 def restore_params() -> bool:
@@ -151,10 +202,12 @@ def head_commit(cwd: str | Path = ".") -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def run_record(name: str, overrides: dict, profile: str, started: float, cwd: str | Path = ".",
-               simulator_not_scored: str | None = None) -> dict:
+def run_record(name: str, overrides: dict, profile: str, seconds: float, cwd: str | Path = ".",
+               simulator_not_scored: str | None = None, earlier_seconds: float = 0.0) -> dict:
+    """What the study keeps about a run; `seconds` is its wall time over all its invocations, `earlier_seconds` the
+    part of it that invocations stopped before the last one took (`RowClock`)."""
     return {"run": name, "params_set": overrides, "profile": profile, "commit": head_commit(cwd),
-            "seconds": round(time.monotonic() - started, 1),
+            "seconds": round(seconds, 1), **({"earlier_seconds": round(earlier_seconds, 1)} if earlier_seconds else {}),
             **({"simulator_not_scored": simulator_not_scored} if simulator_not_scored else {})}
 
 
@@ -207,19 +260,23 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
     partial = PARAMS_BACKUP.with_suffix(".partial")
     partial.write_text(original, encoding="utf-8")
     partial.replace(PARAMS_BACKUP)  # whole or not at all: a half-written backup would be restored over the user's file
-    started = time.monotonic()
-    try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
-        not_scored = run_row(name, overrides, target, measures_simulator)
-    except CommandFailed as error:  # kept: what the attempt cost and why it failed, for the plan to show
-        study.record_failure(results_folder(run_dir, name), {
-            **run_record(name, overrides, profile, started), "stage": error.stage, "reason": error.reason})
-        raise
-    finally:  # a stopped run (SIGTERM) comes here too
-        put_back_params(original)
-        PARAMS_BACKUP.unlink(missing_ok=True)
-    study.keep_run(run_dir, run_record(name, overrides, profile, started, simulator_not_scored=not_scored),
-                   evaluated_in=evaluated_in, simulator=measures_simulator and not not_scored,
-                   not_needed=study.stages_not_needed(overrides, target))
+    with row_clock(f"{profile}/{name}") as clock:  # the same row at another profile is another run
+        try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
+            not_scored = run_row(name, overrides, target, measures_simulator)
+        except CommandFailed as error:  # kept: what the attempt cost and why it failed, for the plan to show
+            study.record_failure(results_folder(run_dir, name), {
+                **run_record(name, overrides, profile, clock.seconds, earlier_seconds=clock.earlier),
+                "stage": error.stage, "reason": error.reason})
+            clock.recorded = True
+            raise
+        finally:  # a stopped run (SIGTERM) comes here too
+            put_back_params(original)
+            PARAMS_BACKUP.unlink(missing_ok=True)
+        study.keep_run(run_dir, run_record(name, overrides, profile, clock.seconds, simulator_not_scored=not_scored,
+                                           earlier_seconds=clock.earlier),
+                       evaluated_in=evaluated_in, simulator=measures_simulator and not not_scored,
+                       not_needed=study.stages_not_needed(overrides, target))
+        clock.recorded = True
 
 
 @flow(name="study_row", flow_run_name="{name}", persist_result=True)
@@ -234,7 +291,8 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
     files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
                                measures_simulator and not not_scored, study.stages_not_needed(overrides, target)),
-             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, started, workspace, not_scored),
+             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, time.monotonic() - started, workspace,
+                                                                   not_scored),
                                           indent=2, sort_keys=True) + "\n"}
     shutil.rmtree(workspace)
     return files

@@ -637,6 +637,44 @@ def test_a_study_row_killed_inside_dvc_exp_run_leaves_head_on_the_branch_for_the
     assert run("git", "symbolic-ref", "--short", "HEAD", cwd=project).stdout.strip() == "main"
 
 
+def test_a_stopped_rows_wall_time_goes_on_in_its_next_invocation(tmp_path, monkeypatch):
+    """A study killed mid-row (a session's end) records nothing of the row: its clock, saved while it runs, is where
+    the row's next invocation starts, so the run's wall time counts both; the clock goes once the record holds it."""
+    from flows.study import ROW_CLOCKS, row_clock, run_variant
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    run("git", "init", "-q", cwd=tmp_path)
+    with row_clock("toy/ticking", every=0.05) as clock:
+        time.sleep(0.3)
+        assert json.loads(clock.path.read_text())["seconds"] >= 0.2  # what a SIGKILL would leave
+        clock.recorded = True
+    assert not clock.path.exists()
+
+    name, run_dir = "toy/row-seed0", tmp_path / "results" / "toy" / "row-seed0"
+
+    def stopped(*args, **kwargs):  # SIGTERM, mid-row
+        time.sleep(0.3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("flows.study.run_row", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_variant.fn(name, {"seed": 0}, run_dir, "row")
+    [left] = ROW_CLOCKS.rglob("*.json")
+    stopped_for = json.loads(left.read_text())["seconds"]
+    assert stopped_for >= 0.3 and not run_dir.exists()
+
+    monkeypatch.setattr("flows.study.run_row", lambda *args, **kwargs: time.sleep(0.2))
+    run_variant.fn(name, {"seed": 0}, run_dir, "row")
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["earlier_seconds"] == stopped_for and record["seconds"] >= stopped_for + 0.2
+    assert not list(ROW_CLOCKS.rglob("*.json"))
+
+    run_variant.fn(name, {"seed": 0}, run_dir, "row")  # run again from nothing: its own time only
+    record = json.loads((run_dir / "run.json").read_text())
+    assert "earlier_seconds" not in record and 0.2 <= record["seconds"] < stopped_for + 0.2
+
+
 def test_a_commit_made_while_a_row_runs_stays_on_the_branch(tmp_path, monkeypatch):
     """`dvc exp run` detaches HEAD while it runs and points it back at the branch's old commit after, so a commit
     made in the checkout meanwhile (results committed while a long row ran) fell off the branch. The row puts it

@@ -954,9 +954,9 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
 def runs_table(runs: list[Run]) -> str:
     """One line per run: what it set, its profile, commit, warm start (`warm_starts`) and wall time, and what its RL
     stages consumed and won in the real environment (where none of its real episodes won, GRPO had no advantage to
-    follow). A run's wall time is what it took here (DVC reuses the stages it shares with an earlier run, and a
-    resumed run counts from its resumption); from scratch and the RL stages' own time are what its stages took when
-    they ran."""
+    follow). A run's wall time is what it took here over its invocations (DVC reuses the stages it shares with an
+    earlier run; a stopped row run again goes on, and its record's `earlier_seconds` counts the stopped ones); from
+    scratch and the RL stages' own time are what its stages took when they ran."""
     rows, starts = [], warm_starts(runs)
     for run in runs:
         synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
@@ -1274,7 +1274,9 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
                              sorted({status.row.environment for status in statuses or []}))
             + "\n## Runs\n\nRuns of one environment whose warm start has one name (its seed and a letter) started from "
               "the same model: its training record is the same but for the time. A seed's rows trained on other "
-              "machines may start from another, since one seed trains one model on one machine only.\n\n"
+              "machines may start from another, since one seed trains one model on one machine only. A run's wall "
+              "time counts every invocation of its row, stopped ones too (`earlier_seconds` in its run.json; for "
+              "runs kept before the study timed stopped invocations, what the study's logs timed).\n\n"
             + runs_table(runs)
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
             + superseded_section(superseded)
