@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from components.data.contract import read_trajectories
 from components.rl.loop import TIME_SPLIT
@@ -246,6 +247,7 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
     assert {g["environment"] for g in games} == {"demo-kitchen (simulated)"} and {g["won"] for g in games} <= {"0", "1"}
     assert "Running stage" not in run("dvc", "repro", cwd=onboarded).stdout  # a second run has nothing to do
 
+    learning_rate = yaml.safe_load((onboarded / "params.yaml").read_text())["synthetic_rl"]["learning_rate"]
     set_params(onboarded, {"synthetic_rl.learning_rate": 2e-5})  # one param: only the stages downstream of it rerun
     ran = re.findall(r"Running stage '(\w+)'", run("dvc", "repro", cwd=onboarded).stdout)
     # evaluate_policies follows only if the RL policy's bytes changed: with zero advantages (every tiny episode
@@ -253,6 +255,11 @@ def test_seed_only_domain_runs_the_whole_pipeline(onboarded, tiny_model_dir):
     # rounds run synthetic RL with these settings (here none: correction.rounds 0), so they rerun too
     assert ran[:2] == ["synthetic_rl", "sim_to_real"] and set(ran) <= {"synthetic_rl", "sim_to_real",
                                                                         "evaluate_policies", "correction_rounds"}
+    # set back, nothing runs: DVC's run cache restores what these params made (as a study row restores the warm start
+    # another row trained); it keeps none for a stage with an uncached output that is not a metric or plot
+    set_params(onboarded, {"synthetic_rl.learning_rate": learning_rate})
+    back = run("dvc", "repro", cwd=onboarded).stdout
+    assert "Running stage" not in back and "Stage 'synthetic_rl' is cached - skipping run" in back
 
 
 def test_synthetic_rl_killed_mid_run_resumes_to_the_same_end(onboarded, tiny_model_dir):
