@@ -1,4 +1,5 @@
-"""Files and directories: crash-safe writes of whole directories (model caches, saved buffers), content digests."""
+"""Files and directories: crash-safe writes of whole files and directories (model caches, saved buffers), content
+digests."""
 from __future__ import annotations
 
 import hashlib
@@ -42,6 +43,15 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a temporary file beside it, then a rename): a crash never leaves half of it
+    for a later run to trust."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
 
 
 def sha256_file(path: Path) -> str:

@@ -29,6 +29,7 @@ from prefect.runtime import flow_run
 
 from components.config import active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
+from components.files import atomic_write_text
 from components.results import study
 from components.results.workspace import keeping_commits, make_workspace, reattach_head, working_state
 from flows import deployments
@@ -62,10 +63,7 @@ class RowClock:
     def save(self) -> None:
         if self.recorded:  # the row's record holds its time now
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_suffix(".partial")
-        partial.write_text(json.dumps({"seconds": round(self.seconds, 1)}), encoding="utf-8")
-        partial.replace(self.path)
+        atomic_write_text(self.path, json.dumps({"seconds": round(self.seconds, 1)}))
 
 
 @contextmanager
@@ -256,10 +254,7 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
     """One pipeline run with `overrides` up to the stage `target` (`run_row`); its metrics (from the stage root
     `evaluated_in` where it is not the project's) and record are kept in `run_dir`."""
     original, profile = Path(PARAMS).read_text(encoding="utf-8"), active_profile(PARAMS)  # before the overrides
-    PARAMS_BACKUP.parent.mkdir(parents=True, exist_ok=True)
-    partial = PARAMS_BACKUP.with_suffix(".partial")
-    partial.write_text(original, encoding="utf-8")
-    partial.replace(PARAMS_BACKUP)  # whole or not at all: a half-written backup would be restored over the user's file
+    atomic_write_text(PARAMS_BACKUP, original)  # a half-written backup would be restored over the user's file
     with row_clock(f"{profile}/{name}") as clock:  # the same row at another profile is another run
         try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
             not_scored = run_row(name, overrides, target, measures_simulator)
@@ -291,9 +286,8 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
     files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
                                measures_simulator and not not_scored, study.stages_not_needed(overrides, target)),
-             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, time.monotonic() - started, workspace,
-                                                                   not_scored),
-                                          indent=2, sort_keys=True) + "\n"}
+             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, time.monotonic() - started,
+                                                     workspace, not_scored), indent=2, sort_keys=True) + "\n"}
     shutil.rmtree(workspace)
     return files
 
