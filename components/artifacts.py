@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.files import sha256_file
+from components.files import atomic_write_bytes, sha256_file
 
 if TYPE_CHECKING:
     from components.config import StorageParams
@@ -224,12 +224,7 @@ class LocalArtifactStore(ArtifactStore):
         shutil.copyfile(path, target)
 
     def _write_bytes(self, key: str, data: bytes) -> None:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Atomic: the manifest either is there whole or not at all.
-        partial = target.with_name(target.name + ".partial")
-        partial.write_bytes(data)
-        partial.replace(target)
+        atomic_write_bytes(self._path(key), data)  # the manifest is there whole or not at all
 
     def _read_bytes(self, key: str) -> bytes | None:
         try:

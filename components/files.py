@@ -45,13 +45,23 @@ def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all (a temporary file beside it, then a rename): a crash never leaves half of it
-    for a later run to trust."""
+    for a later run to trust. Each writer has a temporary file of its own, so processes writing the same file at once
+    each leave a whole one."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        partial.write_bytes(data)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """`atomic_write_bytes` of `text` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def sha256_file(path: Path) -> str:

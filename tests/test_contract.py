@@ -81,3 +81,30 @@ def test_atomic_replace_restores_the_old_directory_when_the_swap_fails(tmp_path,
             (tmp / "weights").write_text("new")
     assert (target / "weights").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary or .old-* copy left
+
+
+def test_a_whole_file_write_leaves_the_old_file_or_the_new_one_and_nothing_beside_it(tmp_path, monkeypatch):
+    """Writers of the same file at once each leave it whole; a write that fails midway leaves the old file as it was
+    and no temporary file beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from components.files import atomic_write_bytes, atomic_write_text
+
+    target = tmp_path / "log.jsonl"
+    texts = [str(k) * 100_000 for k in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda text: atomic_write_text(target, text), texts))
+    assert target.read_text() in texts
+    assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
+
+    def disk_full(self, data):
+        with open(self, "wb") as handle:
+            handle.write(data[:10])
+        raise OSError("disk full")
+
+    before = target.read_bytes()
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]

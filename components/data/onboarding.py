@@ -17,6 +17,7 @@ from typing import Any
 
 from components.data.contract import QUARANTINE, TASKS, TRAJECTORIES, read_records, write_records
 from components.data.validation import Limits, Rejected, read_raw_records, validate_records
+from components.files import atomic_write_text
 
 
 @dataclass
@@ -135,10 +136,7 @@ def _append_quarantine(path: Path, rejected: list[Rejected]) -> None:
         entries[_identity(entry)] = entry
     # ensure_ascii keeps lone surrogates and odd bytes exactly, as escapes, instead of failing to write
     text = "".join(json.dumps(entry, ensure_ascii=True, sort_keys=True) + "\n" for entry in entries.values())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
+    atomic_write_text(path, text)
 
 
 def _identity(entry: dict[str, Any]) -> str:

@@ -41,7 +41,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing import Pipe
@@ -59,6 +58,7 @@ from components.envs.base import (
     Split,
     StepResult,
 )
+from components.files import atomic_write_text
 
 ENVIRONMENT = "textworld-cooking"
 OBJECTIVE = ("You are hungry! Let's cook a delicious meal. Check the cookbook in the kitchen for the recipe. "
@@ -643,7 +643,7 @@ def _generate_game(params: dict[str, Any], cache_root: str) -> bool:
     try:
         game = CHALLENGES["tw-cooking"][1](settings=settings, options=options)
     except ValueError:  # e.g. "high <= 0": no valid layout for this seed; remember, so nobody retries it
-        _write_atomically(root / f"{game_id(params)}.failed", f"{settings} seed {params['seed']}\n")
+        atomic_write_text(root / f"{game_id(params)}.failed", f"{settings} seed {params['seed']}\n")
         return False
     temporary = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
@@ -658,12 +658,6 @@ def _generate_game(params: dict[str, Any], cache_root: str) -> bool:
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return True
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 from components.config import ParamsError
 from components.data.contract import append_records, read_records
 from components.envs.registry import has_adapter
-from components.files import atomic_directory
+from components.files import atomic_directory, atomic_write_text
 from components.reports import (
     GAMES_FILE,
     markdown_table,
@@ -364,10 +364,8 @@ def supersede(results_dir: str | Path, names: list[str] | tuple[str, ...], reaso
         raise ParamsError(f"{', '.join(unknown)}: no finished run of that name in {results_dir} to supersede; the "
                           f"finished ones are {', '.join(kept) or 'none'}")
     for name in names:
-        partial = kept[name].path / f".{RUN_RECORD}.partial"  # whole or not at all
-        partial.write_text(json.dumps({**kept[name].record, SUPERSEDED: reason.strip()}, indent=2, sort_keys=True)
-                           + "\n", encoding="utf-8")
-        partial.replace(kept[name].path / RUN_RECORD)
+        record = {**kept[name].record, SUPERSEDED: reason.strip()}
+        atomic_write_text(kept[name].path / RUN_RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return [kept[name].path for name in names]
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from components import distributed
 from components.data.contract import Trajectory, append_records, read_records, write_records
 from components.envs.base import check_not_all_failed
-from components.files import atomic_directory, directory_sha256, discard_unless_stamped, fingerprint
+from components.files import atomic_directory, atomic_write_text, directory_sha256, discard_unless_stamped, fingerprint
 from components.llm.backends import stream_seed
 from components.llm.sft import LoraSettings, save_for_inference
 from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
@@ -299,9 +299,7 @@ def save_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, log: list[dict[
 
 def write_iteration_log(directory: Path, log: list[dict[str, Any]]) -> None:
     """The iteration log (one JSON object per line) into `directory`, atomically: a present log is a whole one."""
-    tmp = directory / f".{LOG_FILE}.partial"
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in log), encoding="utf-8")
-    tmp.rename(directory / LOG_FILE)
+    atomic_write_text(directory / LOG_FILE, "".join(json.dumps(row) + "\n" for row in log))
 
 
 def read_iteration_log(model_dir: str | Path) -> list[dict[str, Any]] | None:
