@@ -1192,40 +1192,73 @@ def _confirmed_wins(run: Run) -> str:
     return f"{sum(a['both'] for a in audits)}/{sum(a['synthetic_successes'] for a in audits)}"
 
 
+def _curve_method(run: Run, stage: str) -> str:
+    """The table row a run's curve of `stage` belongs to: its synthetic RL's or its sim-to-real's method."""
+    if stage == "sim_to_real":
+        return run.variant.rows.get("sim-to-real", run.variant.name)
+    return next((method for label, method in run.variant.rows.items() if label.startswith("synthetic_")),
+                f"{run.variant.name} (synthetic RL)")
+
+
 def learning_curves_plot(runs: list[Run], path: str | Path) -> Path | None:
-    """Per iteration, synthetic RL (left, in the simulator) and RL in the real environment (right, against the real
-    transitions spent), one line per run that trained that stage itself: mean episode reward (top) and, where the run
-    measured it (evaluate.curve_every), held-out real success on the curve's fixed games (bottom)."""
-    panels = [("synthetic_rl", "synthetic RL", "iteration"),
-              ("sim_to_real", "real-environment RL", "real transitions")]
-    lines = {stage: [] for stage, _, _ in panels}
+    """Per iteration, synthetic RL (in the simulator) and RL in the real environment (against the real transitions
+    spent), one column per environment and one line per run that trained that stage itself, coloured by its table
+    row and dashed by its seed: mean episode reward and, where the run measured it (evaluate.curve_every), held-out
+    real success on the curve's fixed games."""
+    stages = [("synthetic_rl", "synthetic RL", "iteration"), ("sim_to_real", "real-environment RL", "real transitions")]
+    lines: dict[tuple[str, str], list[tuple[Run, list[dict[str, float]]]]] = {}
     for run in runs:
         trained = {"synthetic_rl": run.uses_synthetic_rl, "sim_to_real": "sim-to-real" in run.variant.rows}
-        for stage in lines:
+        for stage, _, _ in stages:
             rows = run.iterations(stage) if trained[stage] else []
             if rows:
-                lines[stage].append((run.name, rows))
-    if not any(lines.values()):
+                lines.setdefault((stage, run.environment or ""), []).append((run, rows))
+    if not lines:
         return None
     measures = [("reward_mean", "mean episode reward")]
     if any("heldout_success" in row for found in lines.values() for _, rows in found for row in rows):
         measures.append(("heldout_success", "held-out success"))
-    figure, axes = pyplot().subplots(len(measures), 2, figsize=(10, 3.4 * len(measures)), squeeze=False)
-    for row_axes, (measure, y_label) in zip(axes, measures, strict=True):
-        for axis, (stage, title, x_label) in zip(row_axes, panels, strict=True):
-            for name, rows in lines[stage]:
+    panels = [(stage, title, x_label, measure, y_label) for stage, title, x_label in stages
+              if any(key[0] == stage for key in lines) for measure, y_label in measures]
+    environments = sorted({environment for _, environment in lines})
+    methods = sorted({_curve_method(run, stage) for (stage, _), found in lines.items() for run, _ in found})
+    light = pyplot().get_cmap("tab20").colors[1::2]  # after tab10's ten, their lighter shades
+    colours = dict(zip(methods, (pyplot().get_cmap("tab10").colors + light) * 2, strict=False))
+    dashes = ["-", "--", ":", "-."]
+    seeds = sorted({run.seed for found in lines.values() for run, _ in found})
+    seeds = seeds if len(seeds) > 1 else []  # one seed: no dashes to tell apart
+    legend_columns = 2 * len(environments)  # a long method name takes about half an environment's width
+    legend_rows = math.ceil((len(methods) + len(seeds)) / legend_columns)
+    figure, axes = pyplot().subplots(
+        len(panels) + 1, len(environments), squeeze=False, figsize=(5.5 * len(environments), 2.8 * len(panels) + 0.6),
+        gridspec_kw={"height_ratios": [2.8] * len(panels) + [0.15 * legend_rows]})
+    legend_axis = figure.add_subplot(axes[-1][0].get_gridspec()[-1, :])  # the last row, whole: the legend
+    for axis in [*axes[-1], legend_axis]:
+        axis.axis("off")
+    for row_axes, (stage, title, x_label, measure, y_label) in zip(axes[:-1], panels, strict=True):
+        for axis, environment in zip(row_axes, environments, strict=True):
+            for run, rows in lines.get((stage, environment), []):
                 if stage == "synthetic_rl":
                     xs = [row["iteration"] for row in rows]
                 else:  # cumulative real transitions: runs of different budgets share one axis
                     xs = list(accumulate(row.get("env_transitions", 0.0) for row in rows))
                 points = [(x, row[measure]) for x, row in zip(xs, rows, strict=True) if measure in row]
-                axis.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=name)
-            axis.set_title(f"{title}: {y_label}", fontsize=9)
+                axis.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3,
+                          color=colours[_curve_method(run, stage)], linestyle=dashes[run.seed % len(dashes)])
+            if (stage, environment) not in lines:
+                axis.text(0.5, 0.5, "no run trained this yet", ha="center", va="center", transform=axis.transAxes,
+                          fontsize=8, color="grey")
+            axis.set_title(f"{environment}: {title}, {y_label}" if environment else f"{title}: {y_label}",
+                           fontsize=9)
             axis.set_xlabel(x_label, fontsize=8)
             axis.set_ylabel(y_label, fontsize=8)
             axis.tick_params(labelsize=7)
-            if lines[stage]:
-                axis.legend(fontsize=6)
+            if measure == "heldout_success":  # a rate: on its whole scale, a 20-game curve's noise reads as such
+                axis.set_ylim(-0.03, 1.03)
+    handles = [pyplot().Line2D([], [], color=colours[method], marker="o", markersize=3) for method in methods]
+    handles += [pyplot().Line2D([], [], color="grey", linestyle=dashes[seed % len(dashes)]) for seed in seeds]
+    legend_axis.legend(handles, methods + [f"seed {seed}" for seed in seeds], loc="center", fontsize=7,
+                       ncol=legend_columns, frameon=False)
     return save_figure(figure, path)
 
 
@@ -1349,18 +1382,24 @@ def flat_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def success_plot(metrics: dict[str, Any], path: str | Path) -> Path | None:
-    """Held-out success with confidence intervals, one bar per method and environment."""
-    bars = [(f"{method}\n{environment}", m) for method, by_env in metrics.items() for environment, m in by_env.items()]
-    if not bars:
+    """Held-out success with confidence intervals, one panel per environment and one bar per method."""
+    environments = sorted({environment for by_env in metrics.values() for environment in by_env})
+    if not environments:
         return None
-    figure, axis = pyplot().subplots(figsize=(max(4.0, 0.9 * len(bars)), 3.6))
-    rates = [m["success_rate"] for _, m in bars]
-    errors = [[r - m["success_ci_low"] for r, (_, m) in zip(rates, bars, strict=True)],
-              [m["success_ci_high"] - r for r, (_, m) in zip(rates, bars, strict=True)]]
-    axis.bar(range(len(bars)), rates, yerr=errors, capsize=3)
-    axis.set_xticks(range(len(bars)), [label for label, _ in bars], rotation=60, ha="right", fontsize=7)
-    axis.set_ylabel("held-out success")
-    axis.set_ylim(0, 1)
+    panels = [[(method, by_env[environment]) for method, by_env in metrics.items() if environment in by_env]
+              for environment in environments]
+    figure, axes = pyplot().subplots(1, len(environments), squeeze=False, sharey=True,
+                                     gridspec_kw={"width_ratios": [len(bars) for bars in panels]},
+                                     figsize=(max(4.0, 0.55 * sum(map(len, panels)) + 1.5), 4.2))
+    for axis, environment, bars in zip(axes[0], environments, panels, strict=True):
+        rates = [m["success_rate"] for _, m in bars]
+        errors = [[r - m["success_ci_low"] for r, (_, m) in zip(rates, bars, strict=True)],
+                  [m["success_ci_high"] - r for r, (_, m) in zip(rates, bars, strict=True)]]
+        axis.bar(range(len(bars)), rates, yerr=errors, capsize=3)
+        axis.set_xticks(range(len(bars)), [method for method, _ in bars], rotation=60, ha="right", fontsize=7)
+        axis.set_title(environment, fontsize=9)
+        axis.set_ylim(0, 1)
+    axes[0][0].set_ylabel("held-out success")
     return save_figure(figure, path)
 
 
