@@ -582,6 +582,12 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     # the second claim: the paper's two comparisons per environment, and our two controls
     assert "Here, of the paper's 2 comparisons, 1 supported, 1 not tested; of our controls' 4 comparisons, 1 not " \
            "resolved, 3 not tested." in text
+    # a method whose RL never had a gradient is the policy it started from: the reading says so beside its verdict
+    metrics["GRPO in the real environment at S2R's budget"][tw]["runs_never_updated"] = 1
+    found = comparisons(metrics, ("grpo",), {(method, tw): outcomes(won) for method, won in wins.items()})
+    assert "(seed 0; A - B +2 points, detectable 4). In 1 of B's 1 run, no RL iteration had a gradient (each " \
+           "group's episodes scored alike), so RL left the policy it started from as it was." in claims_reading(
+               found, metrics, {}, ("grpo",))
     # once real-only RL at S2R's budget is beaten too, synthetic RL first is what adds
     metrics["GRPO in the real environment at S2R's budget"][tw] = {**_rates(50, games), "seeds": [0]}
     found = comparisons(metrics, ("grpo",), {(m, tw): outcomes(metrics[m][tw]["successes"]) for m in metrics})
@@ -691,9 +697,9 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     (metrics_dir / "sim_to_real.json").write_text(json.dumps(
         {"start_from": "synthetic_rl", "iterations": 1, "episodes": 2, "real_transitions_used": 16, "seconds": 60.0}))
     (metrics_dir / "synthetic_rl_iterations.csv").write_text(
-        "iteration,reward_mean,tasks\n1,0.0,tw-a\n2,0.5,tw-b\n")
-    (metrics_dir / "sim_to_real_iterations.csv").write_text(
-        "iteration,reward_mean,success_rate,env_transitions\n1,0.5,0.5,16\n")
+        "iteration,reward_mean,tasks,grad_norm\n1,0.0,tw-a,0.0\n2,0.5,tw-b,0.12\n")
+    (metrics_dir / "sim_to_real_iterations.csv").write_text(  # both episodes won: GRPO had no advantage
+        "iteration,reward_mean,success_rate,env_transitions,grad_norm\n1,1.0,1.0,16,0.0\n")
     results = tmp_path / "results"
     (results / "dreamgym-grpo-seed0").mkdir(parents=True)  # an earlier copy of the run: replaced whole
     (results / "dreamgym-grpo-seed0" / "stale.json").write_text("{}")
@@ -713,7 +719,9 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     metrics, text = report(results, 0.95, ("grpo",))
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
     assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | ? | 10.0 | ? | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
-    assert "| synthetic_rl | 1 | 1/2 | 16 |" in text  # its real RL won 1 of its 2 episodes
+    assert "| synthetic_rl | 1 | 2/2 | 16 | 1/2; 0/1 |" in text  # its real RL won its 2 episodes, learning nothing
+    assert metrics["DreamGym-S2R (GRPO)"][tw]["runs_never_updated"] == 1
+    assert metrics["DreamGym (GRPO)"][tw]["runs_never_updated"] == 0
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text
     assert (results / "results_study_curves.png").stat().st_size > 1000 and "results_study_curves.png" in text
     assert 'profile quick)' in text

@@ -445,6 +445,22 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
         return label.startswith("synthetic_") or (
             label == "sim-to-real" and self.sim_to_real.get("start_from", "synthetic_rl") == "synthetic_rl")
 
+    def gradient_iterations(self, stage: str) -> tuple[int, int] | None:
+        """(iterations with a nonzero gradient, iterations) in `stage`'s log (synthetic_rl or sim_to_real; a
+        correction run's last round); None where it logged no gradient norm. An iteration without one (every
+        episode of each group scored alike) leaves the policy as it was."""
+        rows = self.iterations(stage)
+        if not rows or any("grad_norm" not in row for row in rows):
+            return None
+        return sum(row["grad_norm"] > 0 for row in rows), len(rows)
+
+    def never_updated(self, label: str) -> bool:
+        """Whether the RL stage that made the policy evaluated under `label` had no iteration with a gradient: that
+        policy is the one the stage started from."""
+        stage = "sim_to_real" if label == "sim-to-real" else "synthetic_rl" if label.startswith("synthetic_") else None
+        found = self.gradient_iterations(stage) if stage else None
+        return found is not None and found[0] == 0
+
     @property
     def uses_synthetic_rl(self) -> bool:
         """Whether a policy this run stands for descends from its synthetic RL (a real-only baseline's does not,
@@ -563,8 +579,9 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
         synthetic = run.synthetic_rl if run.from_synthetic_rl(label) else {}
         entry = pooled.setdefault((method, environment), {
             "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": [],
-            "fallback_rates": [], "generated_tasks": []})
+            "fallback_rates": [], "generated_tasks": [], "never_updated": 0})
         entry["episodes"] += result["episodes"]
+        entry["never_updated"] += run.never_updated(label)
         entry["successes"] += result["successes"]
         entry["seeds"].append(run.seed)
         entry["real_transitions"].append(run.real_transitions(label))
@@ -586,7 +603,8 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
             "real_transitions_mean": _mean(entry["real_transitions"]),
             "synthetic_transitions_mean": _mean(entry["synthetic_transitions"]),
             "simulator_fallback_rate": _mean(fallbacks) if fallbacks else None,
-            "generated_tasks_mean": _mean(entry["generated_tasks"]) if entry["generated_tasks"] else None}
+            "generated_tasks_mean": _mean(entry["generated_tasks"]) if entry["generated_tasks"] else None,
+            "runs_never_updated": entry["never_updated"]}
         rows.append([method, environment, f"{m['success_rate']:.2f} [{low:.2f}, {high:.2f}]", f"{k}/{n}",
                      len(entry["seeds"]), f"{m['real_transitions_mean']:.0f}",
                      f"{m['synthetic_transitions_mean']:.0f}", "-" if not fallbacks else _percent(_mean(fallbacks))])
@@ -877,6 +895,11 @@ def _reading(comparison: Comparison) -> str:
                    if paper / 100 >= c.detectable else " The paper's gap is smaller than this comparison detects.")
     elif c.pairs is not None and c.outcome == "not contradicted":
         meaning = f" A shortfall of {100 * c.detectable:.0f} points or more would usually have been detected here."
+    still = [f"{found['runs_never_updated']} of {side}'s {len(found['seeds'])} run{'s' * (len(found['seeds']) > 1)}"
+             for side, found in (("A", c.a), ("B", c.b)) if found.get("runs_never_updated")]
+    if still:
+        meaning += (f" In {' and '.join(still)}, no RL iteration had a gradient (each group's episodes scored alike), "
+                    "so RL left the policy it started from as it was.")
     if c.other_warm_starts:
         which = f"seed{'s' * (len(c.other_warm_starts) > 1)} {', '.join(map(str, c.other_warm_starts))}"
         meaning += (f" On {which}, A and B started from different warm starts (the runs table's), so their games "
@@ -951,8 +974,8 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
 
 def runs_table(runs: list[Run]) -> str:
     """One line per run: what it set, its profile, commit, warm start (`warm_starts`) and wall time, and what its RL
-    stages consumed and won in the real environment (where none of its real episodes won, GRPO had no advantage to
-    follow). A run's wall time is what it took here over its invocations (DVC reuses the stages it shares with an
+    stages consumed and won in the real environment, and how many of their iterations had a gradient (where every
+    episode of each group scored alike, GRPO had no advantage to follow). A run's wall time is what it took here over its invocations (DVC reuses the stages it shares with an
     earlier run; a stopped row run again goes on, and its record's `earlier_seconds` counts the stopped ones); from
     scratch and the RL stages' own time are what its stages took when they ran."""
     rows, starts = [], warm_starts(runs)
@@ -968,7 +991,7 @@ def runs_table(runs: list[Run]) -> str:
             _confirmed_wins(run) if synthetic else "-",
             _simulator_false_wins(run),
             run.sim_to_real.get("start_from", "-"), run.sim_to_real.get("iterations", 0), _real_episodes_won(run),
-            run.real_transitions("sim-to-real")])
+            run.real_transitions("sim-to-real"), _gradient_iterations(run)])
     return markdown_table(["run", "profile", "commit", "warm start", "wall time (min)", "from scratch (min)",
                            "RL stages' time (min)",
                            "synthetic RL iterations", "synthetic transitions", "simulator fallbacks",
@@ -976,7 +999,7 @@ def runs_table(runs: list[Run]) -> str:
                            "simulator's false wins (held-out seed steps; its warm start's play; fallbacks of its "
                            "predictions)",
                            "sim-to-real from", "real RL iterations", "real RL episodes won",
-                           "real transitions"], rows)
+                           "real transitions", "RL iterations with a gradient (synthetic; real)"], rows)
 
 
 STUDY_RUN_COMMAND = "dreamgym study run"  # runs named rows of params.yaml's study (dreamgym/cli.py)
@@ -1181,6 +1204,14 @@ def _real_episodes_won(run: Run) -> str:
     if not rows or not episodes or any("success_rate" not in row for row in rows):
         return "-"
     return f"{round(sum(row['success_rate'] for row in rows) * episodes / len(rows))}/{episodes}"
+
+
+def _gradient_iterations(run: Run) -> str:
+    """Of each RL stage's iterations, those whose update had a gradient (`Run.gradient_iterations`)."""
+    stages = ("synthetic_rl",) * run.uses_synthetic_rl + ("sim_to_real",) * bool(run.sim_to_real)
+    found = {stage: run.gradient_iterations(stage) for stage in stages}
+    return "; ".join("-" if stage not in found else "?" if found[stage] is None else "{}/{}".format(*found[stage])
+                     for stage in ("synthetic_rl", "sim_to_real"))
 
 
 def _confirmed_wins(run: Run) -> str:
