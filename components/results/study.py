@@ -975,9 +975,10 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
 def runs_table(runs: list[Run]) -> str:
     """One line per run: what it set, its profile, commit, warm start (`warm_starts`) and wall time, and what its RL
     stages consumed and won in the real environment, and how many of their iterations had a gradient (where every
-    episode of each group scored alike, GRPO had no advantage to follow). A run's wall time is what it took here over its invocations (DVC reuses the stages it shares with an
-    earlier run; a stopped row run again goes on, and its record's `earlier_seconds` counts the stopped ones); from
-    scratch and the RL stages' own time are what its stages took when they ran."""
+    episode of each group scored alike, GRPO had no advantage to follow). A run's wall time is what it took here
+    over its invocations (DVC reuses the stages it shares with an earlier run; a stopped row run again goes on, and
+    its record's `earlier_seconds` counts the stopped ones); from scratch and the RL stages' own time are what its
+    stages took when they ran."""
     rows, starts = [], warm_starts(runs)
     for run in runs:
         synthetic = run.synthetic_rl if run.uses_synthetic_rl else {}
