@@ -581,8 +581,8 @@ def aggregate(runs: list[Run], confidence: float = 0.95) -> tuple[dict[str, Any]
             "episodes": 0, "successes": 0, "seeds": [], "real_transitions": [], "synthetic_transitions": [],
             "fallback_rates": [], "generated_tasks": [], "never_updated": 0})
         entry["episodes"] += result["episodes"]
-        entry["never_updated"] += run.never_updated(label)
         entry["successes"] += result["successes"]
+        entry["never_updated"] += run.never_updated(label)
         entry["seeds"].append(run.seed)
         entry["real_transitions"].append(run.real_transitions(label))
         entry["synthetic_transitions"].append(run.synthetic_transitions(label))
@@ -1209,10 +1209,11 @@ def _real_episodes_won(run: Run) -> str:
 
 def _gradient_iterations(run: Run) -> str:
     """Of each RL stage's iterations, those whose update had a gradient (`Run.gradient_iterations`)."""
-    stages = ("synthetic_rl",) * run.uses_synthetic_rl + ("sim_to_real",) * bool(run.sim_to_real)
-    found = {stage: run.gradient_iterations(stage) for stage in stages}
-    return "; ".join("-" if stage not in found else "?" if found[stage] is None else "{}/{}".format(*found[stage])
-                     for stage in ("synthetic_rl", "sim_to_real"))
+    cells = []
+    for stage, ran in (("synthetic_rl", run.uses_synthetic_rl), ("sim_to_real", bool(run.sim_to_real))):
+        found = run.gradient_iterations(stage) if ran else None
+        cells.append("-" if not ran else "?" if found is None else f"{found[0]}/{found[1]}")
+    return "; ".join(cells)
 
 
 def _confirmed_wins(run: Run) -> str:
