@@ -1,8 +1,9 @@
 """Can the curriculum's backbone write task variations? Asks it, as the synthetic_rl stage does, for a variation of
 each of the first N RL tasks (each given a reward variance, so each is a parent) and prints how many the curriculum
-accepts, the rejections by reason and the replies. Uses params.yaml (models.experience, the curriculum settings).
+accepts, the rejections by reason and the replies. Uses params.yaml (models.experience, the curriculum settings),
+changed by KEY=VALUE pairs as `--set` changes it (another backbone: models.experience=DIR).
 
-    python research/curriculum_backbone.py [N]        # default 8; needs `dvc repro collect_policy_seed` done
+    python research/curriculum_backbone.py [N] [KEY=VALUE ...]   # N default 8; needs `dvc repro collect_policy_seed`
 """
 import dataclasses
 import json
@@ -12,8 +13,9 @@ from pathlib import Path
 from components.builders import curriculum_and_writer, rl_tasks
 from components.config import load_params
 from components.rl.curriculum import Curriculum
+from dreamgym.cli import set_overrides
 
-params = load_params("params.yaml")
+params = load_params("params.yaml", set_overrides(sys.argv[2:]))
 tasks = rl_tasks(params, Path("."))[: int(sys.argv[1]) if len(sys.argv) > 1 else 8]
 base, backend = curriculum_and_writer(params, Path("."), tasks, None)
 if backend is None:
