@@ -60,8 +60,7 @@ def experience_prompts(params_path: str, transitions: int) -> list[Any]:
     recorder = Recorder()
     fidelity.model_predictor(recorder, builders.prompt_format(params), builders.inference_settings(params),
                              builders.saved_buffer(params, Path(".")), PredictionStats())(heldout)
-    first_tries = recorder.prompts[:len(heldout)]  # retries repeat a prompt; the first try of each step is enough
-    return first_tries
+    return recorder.prompts[:len(heldout)]  # retries come after every first try; the first tries are enough
 
 
 def load(model: str, dtype: str, random_weights: bool) -> tuple[Any, Any]:
