@@ -344,8 +344,8 @@ def seed_data(data_dir: str, results_dir: Path) -> None:
             f"data.dvc tracks seed data that is neither in {data_dir}/ nor in the DVC cache, and the {len(kept)} "
             f"run(s) kept in {results_dir} (such as {kept[0].name}) trained on it: a seed set collected now would "
             "be another one, pooled with theirs. `dvc pull data.dvc` fetches it from the DVC remote that holds it; "
-            "without one, collect it with the code that made it (README, \"The study's seed data\"), then run the "
-            "study again")
+            "without one, collect it with the code that made it (docs/results_study.md, \"The study's seed data\"), "
+            "then run the study again")
     logger = get_run_logger()
     logger.info("no seed data in %s/ and none in the DVC cache: collecting and onboarding the default seed set "
                 "first, as the pipeline flow does (`dvc pull data.dvc` fetches what data.dvc tracks instead)", data_dir)

@@ -5,7 +5,7 @@ A tiny real policy is taught to answer either "eat meal" or "open fridge" (about
 episodes in the real synthetic environment, whose scripted experience model (tests/scripted_backend.py) rewards
 "eat meal". Every group then holds both outcomes, so the advantages are not zero: after one GRPO iteration and after
 one PPO iteration the rewarded reply must be likelier and the other one less likely. A wrong advantage sign, group
-or loss mask turns these tests red (README, "Tests that can fail", lists the bugs planted to check it).
+or loss mask turns these tests red (docs/policy_and_rl.md, "Tests that can fail", lists the bugs planted to check it).
 """
 from __future__ import annotations
 
