@@ -397,8 +397,6 @@ def _failing_rows(rules: list[Rule], frame: pd.DataFrame, name: str) -> dict[int
     rules = [rule for rule in rules if rule.table == name]
     if frame.empty or not rules:
         return {}
-    # GX sets this logger to INFO itself and announces a temporary docs site per context: not the user's concern
-    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = {"globally": False}  # a CLI prints its own summary
     batch = context.data_sources.add_pandas(name).add_dataframe_asset(name).add_batch_definition_whole_dataframe(name)
@@ -429,6 +427,8 @@ def validate_records(records: list[RawRecord], limits: Limits, known: dict[str, 
     """
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    import great_expectations  # noqa: F401  (importing it sets one of its loggers to INFO: a docs site per context)
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     known = known or {}
     report = ValidationReport()
     parsed = [r for r in records if r.problem is None]
