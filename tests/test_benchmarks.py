@@ -23,3 +23,13 @@ def test_decode_speed_prints_a_row_per_dtype_and_width_with_trained_or_random_we
         rows = re.findall(r"^\|\s+float32 \|\s+(\d+) \|.*\|\s+([\d.]+)x \|\s+- \|$", out, re.MULTILINE)
         assert [width for width, _ in rows] == ["1", "3"], out
         assert rows[0][1] == "1.0", out  # the first width is the baseline of the speed column
+
+
+def test_parallel_rows_prints_both_workloads_one_process_against_side_by_side(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    out = run(sys.executable, str(REPO / "benchmarks/parallel_rows.py"), "--model", str(tiny_model_dir),
+              "--prompt-tokens", "8", "--new-tokens", "2", "--train-tokens", "8", "--repeats", "1", "--cores", "1",
+              cwd=tmp_path).stdout
+    rows = re.findall(r"^\|\s+(greedy turn|training step) \|\s+1 \|\s+[\d.]+ \|\s+[\d.]+ \|\s+[\d.]+x \|$", out,
+                      re.MULTILINE)
+    assert rows == ["greedy turn", "training step"], out
