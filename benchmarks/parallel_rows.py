@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import load_model, print_machine, table  # noqa: E402
 
 WORKLOADS = ("greedy turn", "training step")
 
@@ -33,9 +32,7 @@ def _work(args: argparse.Namespace, threads: int, core: int | None, units: int, 
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    from components.llm.models import load_causal_lm
-
-    model, _ = load_causal_lm(args.model, cache_dir=args.cache_dir)
+    model, _, _ = load_model(args.model, args.cache_dir)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt_tokens))
     episode = torch.randint(0, vocab, (1, args.train_tokens))
@@ -93,9 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < args.cores:
         parser.error(f"--cores {args.cores}: this process may run on {len(os.sched_getaffinity(0))} cores only")
-    print(f"$ {shlex.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"machine: {os.cpu_count()} CPUs; {args.model}, prompt {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new, training sequence {args.train_tokens}", flush=True)
+    print_machine(0)
+    print(f"{args.model}: prompt {args.prompt_tokens} tokens, {args.new_tokens} new, training sequence "
+          f"{args.train_tokens}", flush=True)
     alone = run(args, processes=1, threads=args.cores, units=args.repeats * args.cores)
     side = run(args, processes=args.cores, threads=1, units=args.repeats)
     rows = [[name, f"{args.repeats * args.cores}", f"{alone[name]:.1f}", f"{side[name]:.1f}",
