@@ -84,6 +84,11 @@ def training_settings(training: TrainingParams, seed: int):
     return sft.TrainingSettings(**training.model_dump(exclude={"lora"}), lora=lora, seed=seed)
 
 
+def kept_trainings(params: Params, root: Path) -> Path | None:
+    """The folder of kept LoRA trainings (models.kept_trainings) under the stage root, or None."""
+    return root / params.models.kept_trainings if params.models.kept_trainings else None
+
+
 def prompt_format(params: Params):
     """The experience model's prompt format (experience_model.prompt), an `experience_model.PromptFormat`."""
     from components.simulator.experience_model import PromptFormat

@@ -47,6 +47,9 @@ class ModelsParams(Section):
     policy: str = Field(description="packaged model name, Hugging Face id or local path")
     experience: str = Field(description="packaged model name, Hugging Face id or local path")
     embedder: str = Field(description="sentence-transformers model: packaged name, id or path")
+    kept_trainings: str | None = Field(description="folder of finished LoRA trainings (adapters, a few MB) kept by "
+                                                   "their data and settings and restored instead of trained again, "
+                                                   "on any machine that has the folder; null: none kept")
 
 
 class S3Params(Section):

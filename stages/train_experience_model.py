@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from components.builders import experience_sft_data, prompt_format, training_settings
+from components.builders import experience_sft_data, kept_trainings, prompt_format, training_settings
 from components.config import Params
 from components.llm import sft
 from components.reports import write_stage_outputs
@@ -22,7 +22,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         raise StageError(f"no annotated training transitions for {settings.environments}; run annotate first")
     result = sft.train_sft(dataset, params.models.experience, root / settings.out_dir,
                            training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir,
-                           emphasis=sft.Emphasis(VERDICT_WORDS, settings.verdict_weight))
+                           emphasis=sft.Emphasis(VERDICT_WORDS, settings.verdict_weight),
+                           kept=kept_trainings(params, root))
     metrics = {"examples": result.examples, "too_long": result.too_long, "global_step": result.global_step,
                "train_loss": result.train_loss, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
                "resumed": result.resumed_from is not None, "precision": result.precision, "hardware": result.hardware}

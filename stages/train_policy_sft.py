@@ -7,6 +7,7 @@ from typing import Any
 from components.builders import (
     demonstrations,
     heldout_demonstrations,
+    kept_trainings,
     policy_format,
     policy_trajectories,
     training_settings,
@@ -29,7 +30,8 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
                          f"{params.policy.environments}: onboard some, or change policy.sft.sources")
     fmt = policy_format(params)
     result = sft.train_sft(policy.sft_examples(demos, fmt), params.models.policy, root / settings.out_dir,
-                           training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir)
+                           training_settings(settings.training, params.seed), cache_dir=root / params.models.cache_dir,
+                           kept=kept_trainings(params, root))
     heldout = heldout_demonstrations(params, root)
     accuracy = None
     if heldout:

@@ -4,6 +4,7 @@ fallback, the three inference backends' seams, and one real SFT step on the tiny
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +24,7 @@ from components.llm.backends import (
 from components.llm.gguf_export import export_gguf, gguf_path
 from components.llm.models import build_tiny_causal_lm
 from components.llm.sft import (
+    TRAINING_STATE,
     Emphasis,
     _lora_targets,
     has_trained_model,
@@ -721,6 +723,46 @@ def test_lora_sft_writes_a_model_that_reloads_and_a_rerun_reports_the_same_run(t
     # and its training time, read from the checkpoint (this invocation trained nothing)
     assert 0 < again.seconds == float((checkpoint / "training_seconds.txt").read_text()) <= result.seconds
     load_trained_model(again.model_dir)
+
+
+def test_a_kept_training_is_restored_elsewhere_instead_of_trained_again(tiny: Path, tmp_path: Path, caplog):
+    """models.kept_trainings: a finished LoRA training is kept as its adapter (no optimizer state, no machine's
+    path); a run with the same data and settings in another checkout restores it as the same model, byte for byte,
+    with the first run's losses and time, and trains nothing; other settings train and are kept beside it."""
+    dataset = sft_examples(annotate([_trajectory("tw-1"), _trajectory("tw-2")]), None, fmt(), outcome_repeats=1,
+                           lookalike_repeats=1)
+    settings = settings_from_params("training", epochs=1.0, max_steps=2, learning_rate=2e-4, batch_size=2,
+                                    gradient_accumulation_steps=1, max_seq_len=1536, precision="fp32", save_steps=1,
+                                    lora=settings_from_params("lora", r=4, alpha=8, top_layers=1))
+    first = train_sft(dataset, str(tiny), tmp_path / "a" / "exp", settings, cache_dir=tmp_path / "a",
+                      kept=tmp_path / "a" / "kept")
+    [folder] = (tmp_path / "a" / "kept").iterdir()
+    kept_files = {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()}
+    assert {"fingerprint.txt", "checkpoint-2/adapter_model.safetensors", "checkpoint-2/trainer_state.json",
+            "checkpoint-2/training_seconds.txt"} <= kept_files
+    assert not [name for name in kept_files if Path(name).name.startswith(TRAINING_STATE)]
+    config = json.loads((folder / "checkpoint-2" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny)  # as params name it
+
+    elsewhere = shutil.copytree(tmp_path / "a" / "kept", tmp_path / "b" / "kept")  # what a clone of the repo has
+    with caplog.at_level("INFO", logger="components.llm.sft"):
+        again = train_sft(dataset, str(tiny), tmp_path / "b" / "exp", settings, cache_dir=tmp_path / "b",
+                          kept=elsewhere)
+    assert "restored the finished training kept in" in caplog.text
+    assert again.resumed_from is not None and again.resumed_from.endswith("checkpoint-2")
+    assert not (tmp_path / "b" / "exp" / "checkpoints" / "checkpoint-1").exists()  # nothing trained
+    assert (again.global_step, again.train_loss, again.final_loss) == (first.global_step, first.train_loss,
+                                                                       first.final_loss)
+    assert 0 < again.seconds <= first.seconds
+    assert {path.name: path.read_bytes() for path in again.model_dir.iterdir()} == \
+        {path.name: path.read_bytes() for path in first.model_dir.iterdir()}
+
+    other = train_sft(dataset, str(tiny), tmp_path / "b" / "exp", replace(settings, learning_rate=1e-4),
+                      cache_dir=tmp_path / "b", kept=elsewhere)
+    assert other.resumed_from is None and len(list(elsewhere.iterdir())) == 2
+    full = train_sft(dataset, str(tiny), tmp_path / "b" / "full", replace(settings, lora=None, max_steps=1),
+                     cache_dir=tmp_path / "b", kept=elsewhere)
+    assert full.global_step == 1 and len(list(elsewhere.iterdir())) == 2  # a whole model is not kept
 
 
 def test_the_same_seed_trains_the_same_model_byte_for_byte_and_another_seed_another(tiny: Path, tmp_path: Path):

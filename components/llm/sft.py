@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from components import distributed
-from components.files import discard_unless_stamped
+from components.files import atomic_directory, discard_unless_stamped
 
 if TYPE_CHECKING:  # heavy imports happen inside the functions that need them
     from datasets import Dataset
@@ -167,6 +167,7 @@ def train_sft(
     settings: TrainingSettings,
     cache_dir: str | Path = ".cache/models",
     emphasis: Emphasis | None = None,
+    kept: str | Path | None = None,
 ) -> TrainingResult:
     """SFT `base_model` (packaged alias, hub id or local path) on `dataset` with TRL's SFTTrainer (`emphasis`: target
     words the loss weighs more, `weighted_trainer`).
@@ -174,12 +175,15 @@ def train_sft(
     Layout: `output_dir/checkpoints/` holds the trainer's checkpoints; a rerun with the same data and settings resumes
     from the last one (a stopped job loses at most `save_steps` steps), and a rerun with different data or settings
     starts over. `output_dir/model/` is the result, written only once training finished.
+
+    `kept`: a folder of finished LoRA trainings by fingerprint (`keep_training`). One with this run's data and
+    settings is restored as its last checkpoint instead of trained again; a LoRA training that finishes is kept there.
     """
     import torch
     from transformers.trainer_utils import get_last_checkpoint
     from trl import SFTConfig, SFTTrainer
 
-    from components.llm.models import CHATML_TEMPLATE, load_causal_lm
+    from components.llm.models import CHATML_TEMPLATE, load_causal_lm, resolve_model
 
     output_dir = Path(output_dir)
     checkpoints = output_dir / "checkpoints"
@@ -191,6 +195,8 @@ def train_sft(
         if distributed.is_main_process() and discard_unless_stamped(checkpoints, fingerprint,
                                                                    checkpoints / "fingerprint.txt"):
             log.info("checkpoints in %s were for other data or settings: starting over", checkpoints)
+        if distributed.is_main_process() and kept is not None and settings.lora is not None:
+            restore_training(kept, fingerprint, checkpoints, resolve_model(base_model, cache_dir))
         # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
         model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")  # this process's device
     if tokenizer.chat_template is None:  # a base model: give it ChatML, saved with the tokenizer for inference
@@ -211,6 +217,7 @@ def train_sft(
         log.info("%s finished the run: nothing left to train", resume)
         trained, tokenizer = load_trained_model(resume)
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
+        _keep(kept, checkpoints, fingerprint, base_model, settings)
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
                               resume, _seconds_until(resume), resolve_precision(settings.precision), hardware())
 
@@ -260,9 +267,74 @@ def train_sft(
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
     model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
+    _keep(kept, checkpoints, fingerprint, base_model, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
                           *_losses(trainer.state.log_history), resume, progress.seconds(),
                           resolve_precision(settings.precision), hardware())
+
+
+# What only continuing a training needs: a kept training is finished, so it leaves them out (most of a checkpoint).
+TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin", "rng_state")
+
+
+def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, base_model: str) -> Path | None:
+    """Copy the last checkpoint of a finished LoRA training in `checkpoints` into `kept/<fingerprint[:16]>/`, once:
+    the adapter, tokenizer, trainer state (its losses) and training time, not what only continuing it needs
+    (TRAINING_STATE), with `fingerprint.txt` and the base model as params name it (no machine's path). Why: DVC's
+    cache holds the merged model (hundreds of MB) on one machine; the adapter (a few MB) can travel with the
+    repository, so another machine, or a later row of a study, starts from the same model instead of training another.
+    Returns the kept folder, or None where `checkpoints` holds no checkpoint."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(checkpoints)) if Path(checkpoints).is_dir() else None
+    target = Path(kept) / fingerprint[:16]
+    if last is None or (target / "fingerprint.txt").is_file():
+        return None if last is None else target
+    with atomic_directory(target) as partial:
+        copy = partial / Path(last).name
+        shutil.copytree(last, copy, ignore=lambda _, names: [name for name in names
+                                                             if name.startswith(TRAINING_STATE)])
+        config = json.loads((copy / "adapter_config.json").read_text(encoding="utf-8"))
+        (copy / "adapter_config.json").write_text(
+            json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n",
+            encoding="utf-8")
+        (partial / "fingerprint.txt").write_text(fingerprint + "\n", encoding="utf-8")
+    log.info("kept the finished training %s in %s", Path(last).name, target)
+    return target
+
+
+def restore_training(kept: str | Path, fingerprint: str, checkpoints: str | Path, base_path: str) -> str | None:
+    """The training kept under `fingerprint` (`keep_training`) as the last checkpoint in `checkpoints`, its adapter
+    pointing at `base_path` (the base model on this machine), where `checkpoints` holds none; its path, or None."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    source = Path(kept) / fingerprint[:16]
+    stamp = source / "fingerprint.txt"
+    if not stamp.is_file() or stamp.read_text(encoding="utf-8").strip() != fingerprint:
+        return None
+    checkpoints = Path(checkpoints)
+    if get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None:
+        return None  # this run's own checkpoints come first
+    [saved] = [path for path in source.iterdir() if path.is_dir()]
+    partial = checkpoints / f"{saved.name}.partial"  # not a checkpoint's name: a half copy is never the last one
+    shutil.copytree(saved, partial, dirs_exist_ok=True)
+    config = json.loads((partial / "adapter_config.json").read_text(encoding="utf-8"))
+    (partial / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": base_path}, indent=2, sort_keys=True) + "\n",
+        encoding="utf-8")
+    target = partial.rename(checkpoints / saved.name)
+    log.info("restored the finished training kept in %s: nothing to train", source)
+    return str(target)
+
+
+def _keep(kept: str | Path | None, checkpoints: Path, fingerprint: str, base_model: str,
+          settings: TrainingSettings) -> None:
+    if kept is None or not distributed.is_main_process():
+        return
+    if settings.lora is None:  # a full fine-tune's checkpoint is the whole model: not what the folder is for
+        log.info("not kept in %s: only LoRA trainings are (this one fine-tuned every weight)", kept)
+        return
+    keep_training(checkpoints, kept, fingerprint, base_model)
 
 
 def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | None]:
