@@ -281,9 +281,6 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
     returned to the study. The workspace is removed after a run that finished, kept after one that failed."""
     workspace = make_workspace(".", commit, ROW_WORKSPACES / str(flow_run.id), state)
-    if (kept := load_params(workspace / PARAMS).models.kept_trainings) and not Path(kept).is_absolute():
-        # the project's folder, not the workspace's copy: a training a row keeps outlives its workspace
-        write_params({"models.kept_trainings": str(Path(kept).resolve())}, workspace / PARAMS)
     get_run_logger().info("%s: running in %s", name, workspace)
     started = time.monotonic()
     not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)

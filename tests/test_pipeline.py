@@ -444,6 +444,7 @@ def test_a_row_that_fails_is_kept_with_the_stage_it_failed_in_why_and_what_it_co
 
 def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_the_projects_cache(onboarded, tmp_path,
                                                                                                    monkeypatch):
+    from components.config import load_params
     from components.results.workspace import make_workspace, project_cache_dir, working_state
 
     commit = commit_project(onboarded, monkeypatch)
@@ -460,6 +461,9 @@ def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_t
         (onboarded / "data" / "trajectories.jsonl").read_bytes()
     (workspace / "stale").write_text("a killed row's leftovers")
     assert not (make_workspace(onboarded, commit, tmp_path / "row", state) / "stale").exists()
+    set_params(onboarded, {"models.kept_trainings": "kept"})  # a training a row keeps outlives its workspace
+    workspace = make_workspace(onboarded, commit, tmp_path / "row", working_state(onboarded))
+    assert load_params(workspace / "params.yaml").models.kept_trainings == str(onboarded.resolve() / "kept")
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ The workspace is a git clone of the project at the study's commit, with the stud
 dvc.lock as they were when it started (what the study runs is the working state, not only what was committed), and
 the project's DVC cache as its cache: data/ is checked out from it without a copy, and a stage that any workspace or
 the project already ran with the same code, data and params is restored from DVC's run cache instead of run again
-(the ablations reuse the warm start). On several machines, the cache is one directory they all mount (`dvc cache
+(the ablations reuse the warm start); its kept trainings (`models.kept_trainings`) are the project's folder too. On several machines, the cache is one directory they all mount (`dvc cache
 dir`), as DVC documents for a shared cache.
 """
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from components.config import load_params, write_params
 
 # What DVC needs of the project's working state, beside the commit's code
 WORKING_STATE = ("params.yaml", "data.dvc", "dvc.lock")
@@ -42,6 +44,10 @@ def make_workspace(project: str | Path, commit: str, path: str | Path, state: di
     _run(["git", "checkout", "--quiet", "--detach", commit], cwd=path)
     for name, text in state.items():
         (path / name).write_text(text, encoding="utf-8")
+    params = path / "params.yaml"
+    if params.is_file() and (kept := load_params(params).models.kept_trainings) and not Path(kept).is_absolute():
+        # the project's folder, not the workspace's copy: what a row keeps outlives its workspace (not a stage's dep)
+        write_params({"models.kept_trainings": str(project / kept)}, params)
     _run(["dvc", "cache", "dir", "--local", str(project_cache_dir(project))], cwd=path)
     if (path / "data.dvc").is_file():
         _run(["dvc", "checkout", "--quiet", "data.dvc"], cwd=path)
