@@ -8,12 +8,15 @@ functions that need them.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from components.config import Params, TrainingParams
 from components.data.contract import TRAJECTORIES, Trajectory, is_heldout_task, read_trajectories
 from components.llm import backends
+
+log = logging.getLogger(__name__)
 
 
 def buffer_index(params: Params):
@@ -244,16 +247,44 @@ def curriculum_settings(params: Params, enabled: bool | None = None):
     turns the curriculum off: real tasks cannot be invented)."""
     from components.rl.curriculum import CurriculumSettings
 
-    settings = params.synthetic_rl.curriculum.model_dump()
+    settings = params.synthetic_rl.curriculum.model_dump(exclude={"writer_pairs_per_task", "writer_training"})
     return CurriculumSettings(**settings if enabled is None else {**settings, "enabled": enabled})
+
+
+def curriculum_writer(params: Params, root: Path, tasks: list) -> str:
+    """The model that writes the curriculum's variations: the experience model's backbone (models.experience, the
+    base model: the fine-tuned one only answers in the simulation format), first taught its role by SFT on
+    `curriculum.variation_pairs` of the seed `tasks` where synthetic_rl.curriculum.writer_training is set (resumed
+    and kept like every SFT); the untaught backbone where the tasks give no pair, with a warning."""
+    from components.llm import sft
+    from components.llm.models import resolve_model
+    from components.rl.curriculum import variation_examples, variation_pairs
+
+    settings = params.synthetic_rl.curriculum
+    backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
+    if settings.writer_training is None:
+        return backbone
+    pairs = variation_pairs(tasks, settings.writer_pairs_per_task)
+    if not pairs:
+        log.warning("curriculum: no two seed tasks of one family have different instructions, so there is nothing "
+                    "to teach the writer from; %s writes untaught", params.models.experience)
+        return backbone
+    from datasets import Dataset
+
+    result = sft.train_sft(Dataset.from_list(variation_examples(pairs, settings.max_state_chars)),
+                           params.models.experience, root / params.synthetic_rl.out_dir / "curriculum_writer",
+                           training_settings(settings.writer_training, params.seed),
+                           cache_dir=root / params.models.cache_dir, kept=kept_trainings(params, root))
+    log.info("curriculum: the writer was taught on %d pairs of related seed tasks (%s)", len(pairs),
+             result.summary())
+    return str(result.model_dir)
 
 
 def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any,
                           with_writer: bool = True) -> tuple[Any, Any]:
-    """The curriculum over the RL tasks and the backend that writes its variations: the experience model's backbone
-    (models.experience, the base model: the fine-tuned one only answers in the simulation format); no backend with
-    `with_writer` False (a process that does not play). PPO measures reward variance over clusters of similar tasks,
-    since its episodes are not grouped by task."""
+    """The curriculum over the RL tasks and the backend that writes its variations (`curriculum_writer`); no backend
+    with `with_writer` False (a process that does not play). PPO measures reward variance over clusters of similar
+    tasks, since its episodes are not grouped by task."""
     from components.rl.curriculum import INSTRUCTION_END, Curriculum, cluster_tasks
 
     settings = params.synthetic_rl.curriculum
@@ -265,7 +296,4 @@ def curriculum_and_writer(params: Params, root: Path, tasks: list, buffer: Any,
         return curriculum, None
     if params.experience_model.inference.backend == "openai":
         return curriculum, generation_backend(params, root, params.models.experience, stop=(INSTRUCTION_END,))
-    from components.llm.models import resolve_model
-
-    backbone = resolve_model(params.models.experience, root / params.models.cache_dir)
-    return curriculum, generation_backend(params, root, str(backbone), stop=(INSTRUCTION_END,))
+    return curriculum, generation_backend(params, root, curriculum_writer(params, root, tasks), stop=(INSTRUCTION_END,))

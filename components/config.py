@@ -324,6 +324,10 @@ class CurriculumParams(Section):
     max_instruction_chars: int = Field(gt=0, description="a longer generated instruction is rejected")
     max_state_chars: int = Field(gt=0, description="the parent task's initial state in the prompt, in characters")
     clusters: int = Field(gt=0, description="PPO: k-means clusters of task embeddings that stand for groups")
+    writer_pairs_per_task: int = Field(ge=0, description="teaching pairs per seed task (another task of its family's "
+                                                          "instruction)")
+    writer_training: TrainingParams | None = Field(description="SFT of the backbone on the teaching pairs before it "
+                                                               "writes; null: the backbone writes untaught")
 
 
 class SyntheticRLParams(Section):

@@ -49,8 +49,10 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         from components.rl.ppo import train_ppo as train
     warm_start = str(root / params.policy.sft.out_dir / "model")
     experience = params.experience_model
+    # a taught curriculum writer proposes other tasks than the backbone: its recipe is part of what a run resumes
+    taught = [settings.curriculum] if settings.curriculum.writer_training else []
     simulator = run_identity(root / experience.out_dir / "model", root / params.buffer.out_dir, experience.prompt,
-                             experience.inference, params.models.experience)
+                             experience.inference, params.models.experience, *taught)
     if buffer.backend == "weaviate" and distributed.world_size() > 1:
         raise StageError("synthetic_rl on several processes needs the embedded buffer (buffer.backend: embedded): "
                          "each process would copy the Weaviate collection")

@@ -7,18 +7,24 @@ runs a real tiny Hugging Face model through `make_backend`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 
 from components.data.contract import Task
 from components.llm.backends import make_backend
 from components.rl.curriculum import (
+    INSTRUCTION_END,
     Curriculum,
     cluster_tasks,
+    parse_instruction,
     read_tasks,
     task_schedule,
+    variation_examples,
+    variation_pairs,
 )
 from tests.conftest import settings_from_params
 from tests.hashing_encoder import HashingEncoder
@@ -307,3 +313,61 @@ def test_one_variation_written_for_two_games_is_two_tasks():
     assert sorted(t.parameters["parent_task_id"] for t in accepted) == ["tw-0", "tw-1"]
     assert curriculum.propose(VariationBackend([same, same]), iteration=2) == []
     assert curriculum.summary()["rejected_duplicate"] == 2
+
+
+# ---- teaching the writer ----------------------------------------------------------------------------------------
+
+
+def web_tasks() -> list[Task]:
+    """Two families of a web environment (two click-button pages, three enter-text ones) and a lone task."""
+    def task(name: str, seed: int, instruction: str) -> Task:
+        return Task(f"miniwob-{name}-s{seed}", "miniwob", instruction,
+                    {"task": name, "seed": seed, "initial_state": f"page {name} {seed}"})
+    return [task("click-button", 1, 'Click on the "No" button.'),
+            task("click-button", 2, 'Click on the "okay" button.'),
+            task("enter-text", 3, 'Enter "Bob" into the text field.'), task("enter-text", 4, 'Enter "Ann" into it.'),
+            task("enter-text", 5, 'Enter "Cy" into it.'), task("login-user", 6, "Log in as Ada.")]
+
+
+def cooking_games() -> list[Task]:
+    """One family whose every game has one instruction, as TextWorld cooking's do."""
+    return [Task(f"tw-{seed}", ENV, "Cook a meal, then eat it.", {"recipe": 1, "seed": seed,
+                                                                  "initial_state": f"{KITCHEN} ({seed})"})
+            for seed in range(3)]
+
+
+def test_variation_pairs_are_other_instructions_of_a_tasks_family_and_a_shared_instruction_gives_none():
+    pairs = variation_pairs(web_tasks(), per_task=1)
+    assert [(parent.task_id, text) for parent, text in pairs] == [
+        ("miniwob-click-button-s1", 'Click on the "okay" button.'),
+        ("miniwob-click-button-s2", 'Click on the "No" button.'),
+        ("miniwob-enter-text-s3", 'Enter "Ann" into it.'), ("miniwob-enter-text-s4", 'Enter "Cy" into it.'),
+        ("miniwob-enter-text-s5", 'Enter "Bob" into the text field.')]  # each its family's next, in turn
+    assert len(variation_pairs(web_tasks(), per_task=5)) == 2 + 3 * 2  # every other instruction of the family
+    assert variation_pairs(cooking_games(), per_task=2) == []
+    [example] = variation_examples(pairs[:1], max_state_chars=100)
+    assert example["prompt"][1]["content"].endswith("page click-button 1")  # the curriculum's own prompt
+    reply = example["completion"][0]["content"]
+    assert reply.endswith(INSTRUCTION_END) and parse_instruction(reply) == 'Click on the "okay" button.'
+
+
+def test_the_writer_is_taught_on_the_pairs_and_kept_and_untaught_where_there_are_none(tiny_model_dir, tmp_path,
+                                                                                   caplog):
+    from components.builders import curriculum_writer
+    from components.config import load_params
+    from tests.conftest import REPO
+
+    params = load_params(REPO / "params.yaml", {
+        "models.experience": str(tiny_model_dir), "models.kept_trainings": "kept",
+        "synthetic_rl.curriculum.writer_training.max_steps": 2,
+        "synthetic_rl.curriculum.writer_training.precision": "fp32",
+        "synthetic_rl.curriculum.writer_training.lora.top_layers": None})
+    writer = Path(curriculum_writer(params, tmp_path, web_tasks()))
+    assert writer == tmp_path / params.synthetic_rl.out_dir / "curriculum_writer" / "model"
+    assert (writer / "config.json").is_file() and len(list((tmp_path / "kept").iterdir())) == 1
+    with caplog.at_level(logging.WARNING, logger="components.builders"):
+        assert curriculum_writer(params, tmp_path, cooking_games()) == str(tiny_model_dir)
+    assert "nothing to teach the writer from" in caplog.text
+    untaught = load_params(REPO / "params.yaml", {"models.experience": str(tiny_model_dir),
+                                                  "synthetic_rl.curriculum.writer_training": None})
+    assert curriculum_writer(untaught, tmp_path, web_tasks()) == str(tiny_model_dir)

@@ -5,8 +5,8 @@ The workspace is a git clone of the project at the study's commit, with the stud
 dvc.lock as they were when it started (what the study runs is the working state, not only what was committed), and
 the project's DVC cache as its cache: data/ is checked out from it without a copy, and a stage that any workspace or
 the project already ran with the same code, data and params is restored from DVC's run cache instead of run again
-(the ablations reuse the warm start); its kept trainings (`models.kept_trainings`) are the project's folder too. On several machines, the cache is one directory they all mount (`dvc cache
-dir`), as DVC documents for a shared cache.
+(the ablations reuse the warm start); its kept trainings (`models.kept_trainings`) are the project's folder too. On
+several machines, the cache is one directory they all mount (`dvc cache dir`), as DVC documents for a shared cache.
 """
 from __future__ import annotations
 

@@ -102,6 +102,37 @@ def variation_prompt(parent: Task, max_state_chars: int) -> list[Message]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
+# Parameters that pick one game or page of a task family, not the family: a variation keeps the family's others.
+INSTANCE_KEYS = ("seed", "initial_state", "parent_task_id", "generated_at_iteration")
+
+
+def variation_pairs(tasks: Sequence[Task], per_task: int) -> list[tuple[Task, str]]:
+    """Pairs of related seed tasks for teaching the writer its role: (a task, the instruction of another task of its
+    family, i.e. the same environment and parameters but INSTANCE_KEYS, with another instruction), up to `per_task`
+    per task, each task's taken in turn after it so that the pairs spread over the family. A family whose tasks all
+    share one instruction (every TextWorld cooking game) gives none: there is nothing to learn from it."""
+    families: dict[str, list[Task]] = defaultdict(list)
+    for task in tasks:
+        family = {k: v for k, v in task.parameters.items() if k not in INSTANCE_KEYS}
+        families[json.dumps([task.environment, family], sort_keys=True, default=str)].append(task)
+    pairs = []
+    for members in families.values():
+        instructions = list(dict.fromkeys(task.instruction for task in members))  # distinct, in order
+        for task in members:
+            others = [text for text in instructions if normalised(text) != normalised(task.instruction)]
+            start = instructions.index(task.instruction) if others else 0
+            turned = others[start % len(others):] + others[:start % len(others)] if others else []
+            pairs += [(task, text) for text in turned[:per_task]]
+    return pairs
+
+
+def variation_examples(pairs: Sequence[tuple[Task, str]], max_state_chars: int) -> list[dict[str, Any]]:
+    """`variation_pairs` as SFT prompt/completion examples: the curriculum's own prompt, the reply in its format."""
+    return [{"prompt": variation_prompt(parent, max_state_chars),
+             "completion": [{"role": "assistant", "content": f"<instruction>{text}{INSTRUCTION_END}"}]}
+            for parent, text in pairs]
+
+
 def parse_instruction(reply: str) -> str | None:
     """The text inside the first <instruction>...</instruction>, stripped; None if there is no such pair."""
     match = _INSTRUCTION.search(reply) if isinstance(reply, str) else None
