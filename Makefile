@@ -17,6 +17,10 @@ export DO_NOT_TRACK := 1
 # worksteal: a worker that runs out takes the other's queued tests, so the suite's few 2-3 minute tests do not end it
 # on one worker while the other waits
 TEST_WORKERS ?= 2
+# llama.cpp is built for this CPU (-march=native) but without AMX: a VM may advertise AMX and fault when it is used
+# (SIGILL at libggml-cpu's tilezero, seen on a Firecracker guest); int8 matmuls then run on AVX512-VNNI or AVX2.
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF "-DCMAKE_C_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+  "-DCMAKE_CXX_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist worksteal -m "not slow and not gpu and not external"
 
 .PHONY: run test setup system lock clean

@@ -271,10 +271,14 @@ def curriculum_writer(params: Params, root: Path, tasks: list) -> str:
         return backbone
     from datasets import Dataset
 
-    result = sft.train_sft(Dataset.from_list(variation_examples(pairs, settings.max_state_chars)),
-                           params.models.experience, root / params.synthetic_rl.out_dir / "curriculum_writer",
-                           training_settings(settings.writer_training, params.seed),
-                           cache_dir=root / params.models.cache_dir, kept=kept_trainings(params, root))
+    try:
+        result = sft.train_sft(Dataset.from_list(variation_examples(pairs, settings.max_state_chars)),
+                               params.models.experience, root / params.synthetic_rl.out_dir / "curriculum_writer",
+                               training_settings(settings.writer_training, params.seed),
+                               cache_dir=root / params.models.cache_dir, kept=kept_trainings(params, root))
+    except ValueError as error:  # no pair fits: say which knobs make them fit
+        raise ValueError(f"the curriculum writer's teaching: {error} (synthetic_rl.curriculum.writer_training."
+                         "max_seq_len, or a smaller synthetic_rl.curriculum.max_state_chars)") from error
     log.info("curriculum: the writer was taught on %d pairs of related seed tasks (%s)", len(pairs),
              result.summary())
     return str(result.model_dir)

@@ -741,6 +741,7 @@ def test_a_kept_training_is_restored_elsewhere_instead_of_trained_again(tiny: Pa
     assert {"fingerprint.txt", "checkpoint-2/adapter_model.safetensors", "checkpoint-2/trainer_state.json",
             "checkpoint-2/training_seconds.txt"} <= kept_files
     assert not [name for name in kept_files if Path(name).name.startswith(TRAINING_STATE)]
+    assert "checkpoint-2/tokenizer.json" not in kept_files  # the base model's, byte for byte: restored from there
     config = json.loads((folder / "checkpoint-2" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny)  # as params name it
 

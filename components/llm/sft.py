@@ -195,8 +195,9 @@ def train_sft(
         if distributed.is_main_process() and discard_unless_stamped(checkpoints, fingerprint,
                                                                    checkpoints / "fingerprint.txt"):
             log.info("checkpoints in %s were for other data or settings: starting over", checkpoints)
+        base_path = resolve_model(base_model, cache_dir)
         if distributed.is_main_process() and kept is not None and settings.lora is not None:
-            restore_training(kept, fingerprint, checkpoints, resolve_model(base_model, cache_dir))
+            restore_training(kept, fingerprint, checkpoints, base_path)
         # fp32 master weights even for bf16: autocast computes in bf16 and the optimizer updates in full precision.
         model, tokenizer = load_causal_lm(base_model, cache_dir=cache_dir, dtype="float32")  # this process's device
     if tokenizer.chat_template is None:  # a base model: give it ChatML, saved with the tokenizer for inference
@@ -217,7 +218,7 @@ def train_sft(
         log.info("%s finished the run: nothing left to train", resume)
         trained, tokenizer = load_trained_model(resume)
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
-        _keep(kept, checkpoints, fingerprint, base_model, settings)
+        _keep(kept, checkpoints, fingerprint, base_model, base_path, settings)
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
                               resume, _seconds_until(resume), resolve_precision(settings.precision), hardware())
 
@@ -267,7 +268,7 @@ def train_sft(
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
     model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
-    _keep(kept, checkpoints, fingerprint, base_model, settings)
+    _keep(kept, checkpoints, fingerprint, base_model, base_path, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
                           *_losses(trainer.state.log_history), resume, progress.seconds(),
                           resolve_precision(settings.precision), hardware())
@@ -275,12 +276,16 @@ def train_sft(
 
 # What only continuing a training needs: a kept training is finished, so it leaves them out (most of a checkpoint).
 TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin", "rng_state")
+# Files a checkpoint may share with its base model: kept only where they differ, restored from the base model.
+SHARED_WITH_BASE = ("tokenizer.json",)
 
 
-def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, base_model: str) -> Path | None:
+def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, base_model: str,
+                  base_path: str | Path) -> Path | None:
     """Copy the last checkpoint of a finished LoRA training in `checkpoints` into `kept/<fingerprint[:16]>/`, once:
     the adapter, tokenizer, trainer state (its losses) and training time, not what only continuing it needs
-    (TRAINING_STATE), with `fingerprint.txt` and the base model as params name it (no machine's path). Why: DVC's
+    (TRAINING_STATE) nor a file the base model (at `base_path`) has byte for byte (its tokenizer.json, most of what
+    is left), with `fingerprint.txt` and the base model as params name it (no machine's path). Why: DVC's
     cache holds the merged model (hundreds of MB) on one machine; the adapter (a few MB) can travel with the
     repository, so another machine, or a later row of a study, starts from the same model instead of training another.
     Returns the kept folder, or None where `checkpoints` holds no checkpoint."""
@@ -292,8 +297,9 @@ def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, b
         return None if last is None else target
     with atomic_directory(target) as partial:
         copy = partial / Path(last).name
-        shutil.copytree(last, copy, ignore=lambda _, names: [name for name in names
-                                                             if name.startswith(TRAINING_STATE)])
+        base = Path(base_path)
+        shutil.copytree(last, copy, ignore=lambda folder, names: [
+            name for name in names if name.startswith(TRAINING_STATE) or _same_file(Path(folder, name), base / name)])
         config = json.loads((copy / "adapter_config.json").read_text(encoding="utf-8"))
         (copy / "adapter_config.json").write_text(
             json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n",
@@ -305,7 +311,8 @@ def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, b
 
 def restore_training(kept: str | Path, fingerprint: str, checkpoints: str | Path, base_path: str) -> str | None:
     """The training kept under `fingerprint` (`keep_training`) as the last checkpoint in `checkpoints`, its adapter
-    pointing at `base_path` (the base model on this machine), where `checkpoints` holds none; its path, or None."""
+    pointing at `base_path` (the base model on this machine) and the files it shares with that model copied from
+    there, where `checkpoints` holds none; its path, or None."""
     from transformers.trainer_utils import get_last_checkpoint
 
     source = Path(kept) / fingerprint[:16]
@@ -318,6 +325,9 @@ def restore_training(kept: str | Path, fingerprint: str, checkpoints: str | Path
     [saved] = [path for path in source.iterdir() if path.is_dir()]
     partial = checkpoints / f"{saved.name}.partial"  # not a checkpoint's name: a half copy is never the last one
     shutil.copytree(saved, partial, dirs_exist_ok=True)
+    for name in SHARED_WITH_BASE:
+        if not (partial / name).exists() and (Path(base_path) / name).is_file():
+            shutil.copy2(Path(base_path) / name, partial / name)
     config = json.loads((partial / "adapter_config.json").read_text(encoding="utf-8"))
     (partial / "adapter_config.json").write_text(
         json.dumps({**config, "base_model_name_or_path": base_path}, indent=2, sort_keys=True) + "\n",
@@ -327,14 +337,18 @@ def restore_training(kept: str | Path, fingerprint: str, checkpoints: str | Path
     return str(target)
 
 
-def _keep(kept: str | Path | None, checkpoints: Path, fingerprint: str, base_model: str,
+def _same_file(path: Path, other: Path) -> bool:
+    return path.name in SHARED_WITH_BASE and other.is_file() and path.read_bytes() == other.read_bytes()
+
+
+def _keep(kept: str | Path | None, checkpoints: Path, fingerprint: str, base_model: str, base_path: str,
           settings: TrainingSettings) -> None:
     if kept is None or not distributed.is_main_process():
         return
     if settings.lora is None:  # a full fine-tune's checkpoint is the whole model: not what the folder is for
         log.info("not kept in %s: only LoRA trainings are (this one fine-tuned every weight)", kept)
         return
-    keep_training(checkpoints, kept, fingerprint, base_model)
+    keep_training(checkpoints, kept, fingerprint, base_model, base_path)
 
 
 def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | None]:
