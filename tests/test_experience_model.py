@@ -746,6 +746,9 @@ def test_a_kept_training_is_restored_elsewhere_instead_of_trained_again(tiny: Pa
     assert config["base_model_name_or_path"] == str(tiny)  # as params name it
 
     elsewhere = shutil.copytree(tmp_path / "a" / "kept", tmp_path / "b" / "kept")  # what a clone of the repo has
+    trained_on = elsewhere / folder.name / "checkpoint-2" / "trained_on.json"
+    assert json.loads(trained_on.read_text()) == {"precision": "fp32", "hardware": first.hardware}
+    trained_on.write_text(json.dumps({"precision": "bf16", "hardware": "cpu: the machine that trained it"}))
     with caplog.at_level("INFO", logger="components.llm.sft"):
         again = train_sft(dataset, str(tiny), tmp_path / "b" / "exp", settings, cache_dir=tmp_path / "b",
                           kept=elsewhere)
@@ -755,6 +758,7 @@ def test_a_kept_training_is_restored_elsewhere_instead_of_trained_again(tiny: Pa
     assert (again.global_step, again.train_loss, again.final_loss) == (first.global_step, first.train_loss,
                                                                        first.final_loss)
     assert 0 < again.seconds <= first.seconds
+    assert (again.precision, again.hardware) == ("bf16", "cpu: the machine that trained it")  # not this one's
     assert {path.name: path.read_bytes() for path in again.model_dir.iterdir()} == \
         {path.name: path.read_bytes() for path in first.model_dir.iterdir()}
 

@@ -108,6 +108,7 @@ class TrainingResult:
 
 
 SECONDS_FILE = "training_seconds.txt"  # in each checkpoint: the training time up to it, earlier invocations included
+TRAINED_ON_FILE = "trained_on.json"  # in each checkpoint: its precision and hardware, which a restored one reports
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,9 @@ def train_sft(
         trained, tokenizer = load_trained_model(resume)
         model_dir = _save_model(trained, tokenizer, output_dir, settings)
         _keep(kept, checkpoints, fingerprint, base_model, base_path, settings)
+        precision, machine = _trained_on(resume) or (resolve_precision(settings.precision), hardware())
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
-                              resume, _seconds_until(resume), resolve_precision(settings.precision), hardware())
+                              resume, _seconds_until(resume), precision, machine)
 
     args = SFTConfig(
         output_dir=str(checkpoints),
@@ -255,7 +257,7 @@ def train_sft(
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[progress := _progress_log(_seconds_until(resume))],
+        callbacks=[progress := _progress_log(_seconds_until(resume), resolve_precision(settings.precision))],
     )
 
     if emphasis:  # say what the weight falls on: teacher-written traces may not use the words at all
@@ -457,10 +459,20 @@ def _seconds_until(checkpoint: str | None) -> float:
     return float(path.read_text()) if path is not None and path.is_file() else 0.0
 
 
-def _progress_log(earlier_seconds: float = 0.0) -> Any:
+def _trained_on(checkpoint: str) -> tuple[str, str] | None:
+    """The precision and hardware `checkpoint` was trained in (TRAINED_ON_FILE), or None for one older than it."""
+    path = Path(checkpoint) / TRAINED_ON_FILE
+    record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return (record["precision"], record["hardware"]) if record else None
+
+
+def _progress_log(earlier_seconds: float, precision: str) -> Any:
     """A TrainerCallback that logs step, loss, learning rate and ETA (the pace of this run, resumed steps excluded)
-    and writes the training time so far, `earlier_seconds` included, into every checkpoint it saves."""
+    and writes the training time so far, `earlier_seconds` included, and what it trains in and on (`precision`,
+    `hardware()`) into every checkpoint it saves."""
     from transformers import TrainerCallback  # here, not at module level: importing transformers takes seconds
+
+    machine = hardware()
 
     class ProgressLog(TrainerCallback):
         start = time.monotonic()
@@ -476,6 +488,8 @@ def _progress_log(earlier_seconds: float = 0.0) -> Any:
             # the trainer saves the checkpoint (its main process), then calls on_save; unrounded, as resumes add
             if state.is_world_process_zero and checkpoint.is_dir():
                 (checkpoint / SECONDS_FILE).write_text(f"{self.seconds()!r}\n", encoding="utf-8")
+                (checkpoint / TRAINED_ON_FILE).write_text(json.dumps({"precision": precision, "hardware": machine})
+                                                          + "\n", encoding="utf-8")
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
