@@ -120,9 +120,9 @@ def variation_pairs(tasks: Sequence[Task], per_task: int) -> list[tuple[Task, st
         instructions = list(dict.fromkeys(task.instruction for task in members))  # distinct, in order
         for task in members:
             others = [text for text in instructions if normalised(text) != normalised(task.instruction)]
-            start = instructions.index(task.instruction) if others else 0
-            turned = others[start % len(others):] + others[:start % len(others)] if others else []
-            pairs += [(task, text) for text in turned[:per_task]]
+            if others:
+                start = instructions.index(task.instruction) % len(others)
+                pairs += [(task, text) for text in (others[start:] + others[:start])[:per_task]]
     return pairs
 
 
