@@ -295,17 +295,16 @@ def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, b
 
     last = get_last_checkpoint(str(checkpoints)) if Path(checkpoints).is_dir() else None
     target = Path(kept) / fingerprint[:16]
-    if last is None or (target / "fingerprint.txt").is_file():
-        return None if last is None else target
+    if last is None:
+        return None
+    if (target / "fingerprint.txt").is_file():
+        return target  # kept before: the same data and settings
     with atomic_directory(target) as partial:
         copy = partial / Path(last).name
         base = Path(base_path)
         shutil.copytree(last, copy, ignore=lambda folder, names: [
             name for name in names if name.startswith(TRAINING_STATE) or _same_file(Path(folder, name), base / name)])
-        config = json.loads((copy / "adapter_config.json").read_text(encoding="utf-8"))
-        (copy / "adapter_config.json").write_text(
-            json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n",
-            encoding="utf-8")
+        _set_base_model(copy, base_model)
         (partial / "fingerprint.txt").write_text(fingerprint + "\n", encoding="utf-8")
     log.info("kept the finished training %s in %s", Path(last).name, target)
     return target
@@ -330,13 +329,18 @@ def restore_training(kept: str | Path, fingerprint: str, checkpoints: str | Path
     for name in SHARED_WITH_BASE:
         if not (partial / name).exists() and (Path(base_path) / name).is_file():
             shutil.copy2(Path(base_path) / name, partial / name)
-    config = json.loads((partial / "adapter_config.json").read_text(encoding="utf-8"))
-    (partial / "adapter_config.json").write_text(
-        json.dumps({**config, "base_model_name_or_path": base_path}, indent=2, sort_keys=True) + "\n",
-        encoding="utf-8")
+    _set_base_model(partial, base_path)
     target = partial.rename(checkpoints / saved.name)
     log.info("restored the finished training kept in %s: nothing to train", source)
     return str(target)
+
+
+def _set_base_model(checkpoint: Path, base_model: str) -> None:
+    """Point the adapter in `checkpoint` at `base_model` (a name as params give it, or a path on this machine)."""
+    path = checkpoint / "adapter_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n",
+                    encoding="utf-8")
 
 
 def _same_file(path: Path, other: Path) -> bool:
