@@ -25,13 +25,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run
 
 from components.config import active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
 from components.files import atomic_write_text
 from components.results import study
-from components.results.workspace import keeping_commits, make_workspace, reattach_head, working_state
+from components.results.workspace import claimed, keeping_commits, make_workspace, reattach_head, working_state
 from flows import deployments
 from flows.pipeline import PARAMS, CommandFailed, onboard_collected_seed, reproduce, run_logged
 from stages import sim_to_real
@@ -111,7 +110,7 @@ def put_back_params(original: str) -> None:
         subprocess.run(["git", "reset", "--quiet", "--", PARAMS], capture_output=True, check=True)
 
 
-ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by flow run, in the worker's checkout
+ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by profile and row, in the worker's checkout
 
 
 def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> list[str]:
@@ -279,16 +278,26 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
                    state: dict[str, str], profile: str, measures_simulator: bool = False) -> dict[str, str]:
     """One study run on a worker: a workspace of the study's `commit` and working `state` (params.yaml, data.dvc,
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
-    returned to the study. The workspace is removed after a run that finished, kept after one that failed."""
-    workspace = make_workspace(".", commit, ROW_WORKSPACES / str(flow_run.id), state)
-    get_run_logger().info("%s: running in %s", name, workspace)
-    started = time.monotonic()
-    not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
-    files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
-                               measures_simulator and not not_scored, study.stages_not_needed(overrides, target)),
-             study.RUN_RECORD: json.dumps(run_record(name, overrides, profile, time.monotonic() - started,
-                                                     workspace, not_scored), indent=2, sort_keys=True) + "\n"}
-    shutil.rmtree(workspace)
+    returned to the study. The workspace is the row's (by profile and name): a row stopped mid-run (a worker killed
+    at a session's end) goes on from its checkpoints there in the next flow run, its wall time too (`row_clock`).
+    It is removed after a run that finished, kept after one that failed."""
+    workspace = ROW_WORKSPACES / profile / name
+    with claimed(workspace), row_clock(f"{profile}/{name}") as clock:
+        workspace = make_workspace(".", commit, workspace, state)
+        get_run_logger().info("%s: running in %s%s", name, workspace,
+                              f" (resumed: {clock.earlier / 60:.0f} min before)" if clock.earlier else "")
+        try:
+            not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
+        except Exception:  # a failed attempt: the study keeps its time with it (`keep_row`); a kill is no Exception
+            clock.recorded = True
+            raise
+        record = run_record(name, overrides, profile, clock.seconds, workspace, not_scored,
+                            earlier_seconds=clock.earlier)
+        files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
+                                   measures_simulator and not not_scored, study.stages_not_needed(overrides, target)),
+                 study.RUN_RECORD: json.dumps(record, indent=2, sort_keys=True) + "\n"}
+        clock.recorded = True
+        shutil.rmtree(workspace)
     return files
 
 

@@ -445,7 +445,7 @@ def test_a_row_that_fails_is_kept_with_the_stage_it_failed_in_why_and_what_it_co
 def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_the_projects_cache(onboarded, tmp_path,
                                                                                                    monkeypatch):
     from components.config import load_params
-    from components.results.workspace import make_workspace, project_cache_dir, working_state
+    from components.results.workspace import claimed, make_workspace, project_cache_dir, working_state
 
     commit = commit_project(onboarded, monkeypatch)
     set_params(onboarded, {"study.seeds": [4]})  # not committed: the study runs what params.yaml says now
@@ -459,11 +459,70 @@ def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_t
     assert project_cache_dir(workspace) == project_cache_dir(onboarded)  # one cache: the run cache is shared
     assert (workspace / "data" / "trajectories.jsonl").read_bytes() == \
         (onboarded / "data" / "trajectories.jsonl").read_bytes()
-    (workspace / "stale").write_text("a killed row's leftovers")
-    assert not (make_workspace(onboarded, commit, tmp_path / "row", state) / "stale").exists()
+    # a row stopped mid-run resumes in its workspace: what it wrote stays, what the stopped run changed goes
+    (workspace / "models" / "policy").mkdir(parents=True, exist_ok=True)
+    (workspace / "models" / "policy" / "checkpoint").write_text("a stopped row's checkpoint")
+    (workspace / "flows" / "pipeline.py").write_text("changed by the stopped run\n")
+    (onboarded / "flows" / "pipeline.py").write_text((REPO / "flows" / "pipeline.py").read_text())
+    later = commit_project(onboarded, monkeypatch)  # the study goes on at a newer commit
+    resumed = make_workspace(onboarded, later, tmp_path / "row", state)
+    assert run("git", "rev-parse", "HEAD", cwd=resumed).stdout.strip() == later
+    assert (resumed / "models" / "policy" / "checkpoint").read_text() == "a stopped row's checkpoint"
+    assert (resumed / "flows" / "pipeline.py").read_text() == (REPO / "flows" / "pipeline.py").read_text()
+    (tmp_path / "not-a-checkout").mkdir()
+    (tmp_path / "not-a-checkout" / "stale").write_text("no workspace")
+    assert not (make_workspace(onboarded, commit, tmp_path / "not-a-checkout", state) / "stale").exists()
+    with claimed(tmp_path / "row"):  # one process at a time runs a row in its workspace
+        with pytest.raises(RuntimeError, match="in use: another process runs this row"):
+            with claimed(tmp_path / "row"):
+                pass
+    with claimed(tmp_path / "row"):
+        pass
     set_params(onboarded, {"models.kept_trainings": "kept"})  # a training a row keeps outlives its workspace
     workspace = make_workspace(onboarded, commit, tmp_path / "row", working_state(onboarded))
     assert load_params(workspace / "params.yaml").models.kept_trainings == str(onboarded.resolve() / "kept")
+
+
+class Killed(BaseException):
+    """What a worker killed at a session's end sees: no Exception, so nothing records it as a failed attempt."""
+
+
+def test_a_work_pool_row_stopped_mid_run_goes_on_in_its_workspace(onboarded, monkeypatch, prefect_server):
+    """A row's flow run killed mid-run leaves its workspace and clock; the row's next flow run (another id) goes on
+    there, from what the first wrote, and its record counts both invocations' time. Here the row's DVC run
+    (`run_row`, covered by the work-pool test) is a stand-in that writes what a run leaves."""
+    import flows.study as study_flows
+    from components.results.workspace import working_state
+
+    commit = commit_project(onboarded, monkeypatch)
+    monkeypatch.chdir(onboarded)
+    name, state = "demo-kitchen/dreamgym-grpo-seed0", working_state(onboarded)
+
+    def stopped(row, overrides, target, measures_simulator, cwd):
+        (Path(cwd) / "models" / "checkpoint-5").mkdir(parents=True)
+        time.sleep(0.5)
+        raise Killed
+
+    def goes_on(row, overrides, target, measures_simulator, cwd):
+        assert (Path(cwd) / "models" / "checkpoint-5").is_dir()  # the first invocation's checkpoint, resumed from
+        (Path(cwd) / "metrics").mkdir(exist_ok=True)
+        (Path(cwd) / "metrics" / "evaluate_policies.json").write_text('{"synthetic_grpo": {}}')
+        return None
+
+    def row_flow():
+        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
+
+    monkeypatch.setattr(study_flows, "run_row", stopped)
+    with pytest.raises(Killed):
+        row_flow()
+    workspace = onboarded / study_flows.ROW_WORKSPACES / "quick" / name
+    assert (workspace / "models" / "checkpoint-5").is_dir()
+    monkeypatch.setattr(study_flows, "run_row", goes_on)
+    files = row_flow()
+    record = json.loads(files["run.json"])
+    assert files["evaluate_policies.json"] == '{"synthetic_grpo": {}}'
+    assert record["commit"] == commit and record["seconds"] >= record["earlier_seconds"] >= 0.5
+    assert not workspace.exists() and not (onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json").exists()
 
 
 @pytest.mark.slow
@@ -508,7 +567,7 @@ def test_the_work_pools_workers_run_study_rows_at_once(onboarded, monkeypatch, p
         assert json.loads((results / name / "evaluate_policies.json").read_text())[policy]
     assert set(metrics) == {"SFT only", "DreamGym (GRPO)", "DreamGym (GRPO) w/o curriculum"}
     assert (onboarded / "params.yaml").read_text() == params_before
-    assert not any((onboarded / ".dvc" / "tmp" / "study_rows").iterdir())  # finished workspaces are removed
+    assert not any(path.is_file() for path in (onboarded / ".dvc" / "tmp" / "study_rows").rglob("*"))  # removed
     with get_client(sync_client=True) as client:
         rows = [r for r in client.read_flow_runs() if r.name.startswith("demo-kitchen/")
                 and r.work_pool_name == pool]

@@ -34,14 +34,22 @@ def project_cache_dir(project: str | Path) -> Path:
 
 
 def make_workspace(project: str | Path, commit: str, path: str | Path, state: dict[str, str]) -> Path:
-    """A fresh checkout of `project` at `commit` in `path` (an earlier one there is replaced), with the WORKING_STATE
-    files `state` holds (name -> text), sharing the project's DVC cache, data/ checked out."""
+    """A checkout of `project` at `commit` in `path`, with the WORKING_STATE files `state` holds (name -> text),
+    sharing the project's DVC cache, data/ checked out.
+
+    An earlier workspace in `path` (the same row, stopped mid-run: a session's end) is resumed, as a row resumes in
+    the project's own checkout: its tracked files become `commit`'s and `state`'s (what the stopped `dvc exp run`
+    left in them is dropped), and what the row wrote and git ignores (checkpoints, DVC's temporary files) stays.
+    Anything in `path` that is not a checkout of `project` is replaced."""
     project, path = Path(project).resolve(), Path(path).resolve()
-    if path.exists():
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _run(["git", "clone", "--quiet", "--shared", "--no-checkout", str(project), str(path)])
-    _run(["git", "checkout", "--quiet", "--detach", commit], cwd=path)
+    if not _checkout_of(project, path):
+        if path.exists():
+            shutil.rmtree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _run(["git", "clone", "--quiet", "--shared", "--no-checkout", str(project), str(path)])
+    else:
+        _run(["git", "fetch", "--quiet", "origin"], cwd=path)  # the study's commit may be newer than the workspace
+    _run(["git", "checkout", "--quiet", "--force", "--detach", commit], cwd=path)
     for name, text in state.items():
         (path / name).write_text(text, encoding="utf-8")
     params = path / "params.yaml"
@@ -52,6 +60,34 @@ def make_workspace(project: str | Path, commit: str, path: str | Path, state: di
     if (path / "data.dvc").is_file():
         _run(["dvc", "checkout", "--quiet", "data.dvc"], cwd=path)
     return path
+
+
+def _checkout_of(project: Path, path: Path) -> bool:
+    """Whether `path` is a clone of `project` (its origin), which `make_workspace` resumes."""
+    origin = _git_output(path, "remote", "get-url", "origin") if (path / ".git").is_dir() else ""
+    return bool(origin) and Path(origin).resolve() == project
+
+
+@contextmanager
+def claimed(path: str | Path) -> Iterator[None]:
+    """`path` (a row's workspace) held by this process while the block runs: a second process that claims it (the
+    same row started twice) fails at once, naming it, instead of both writing one checkout. An exclusive lock on
+    `path`.lock, which the system lets go when the process ends, however it ends."""
+    import fcntl
+
+    lock_path = Path(path).with_name(Path(path).name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{path} is in use: another process runs this row there now (a study started twice?); "
+                               "let it finish, or stop it, then run the row again") from None
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def working_state(project: str | Path) -> dict[str, str]:
