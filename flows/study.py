@@ -304,15 +304,48 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
 @task(task_run_name="on the work pool: {name}")
 def submit_row(name: str, overrides: dict, target: str, evaluated_in: Path | None, commit: str,
                state: dict[str, str], profile: str, measures_simulator: bool) -> str:
-    """A flow run of the study_row deployment for this run, left to the pool's workers; its id."""
+    """A flow run of the study_row deployment for this run, left to the pool's workers; its id. The row's flow runs
+    that an earlier study submitted and no worker took (that study was stopped) are cancelled first
+    (`cancel_unstarted`): they would run the row a second time."""
     from prefect.deployments import run_deployment
 
+    if cancelled := cancel_unstarted(name, profile):
+        get_run_logger().warning("%s: cancelled %d flow run(s) of it that an earlier study submitted and no worker "
+                                 "took", name, cancelled)
     submitted = run_deployment(f"study_row/{deployments.STUDY_ROW_DEPLOYMENT}", timeout=0, flow_run_name=name,
                                parameters={"name": name, "overrides": overrides, "target": target,
                                            "evaluated_in": str(evaluated_in) if evaluated_in else None,
                                            "commit": commit, "state": state, "profile": profile,
                                            "measures_simulator": measures_simulator})
     return str(submitted.id)
+
+
+def cancel_unstarted(name: str, profile: str) -> int:
+    """Cancel the study_row flow runs of the row `name` at `profile` that never started (scheduled or pending); how
+    many. One that started is left alone: if its worker is still running it, the row's workspace lock
+    (`workspace.claimed`) stops a second run of it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    unstarted = FlowRunFilter(name=FlowRunFilterName(any_=[name]), state=FlowRunFilterState(
+        type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING])))
+    with get_client(sync_client=True) as client:
+        runs = [run for run in client.read_flow_runs(
+                    flow_run_filter=unstarted,
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployments.STUDY_ROW_DEPLOYMENT])))
+                if run.parameters.get("profile") == profile]
+        for run in runs:
+            client.set_flow_run_state(run.id, Cancelled(message="a later study submitted this row again"), force=True)
+    return len(runs)
 
 
 @task(task_run_name="keep {name}")

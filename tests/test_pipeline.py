@@ -483,6 +483,34 @@ def test_a_study_row_workspace_is_the_commit_with_the_studys_working_state_and_t
     assert load_params(workspace / "params.yaml").models.kept_trainings == str(onboarded.resolve() / "kept")
 
 
+def test_a_study_submitting_a_row_again_cancels_its_flow_runs_no_worker_took(project, monkeypatch, prefect_api):
+    """A study stopped before a worker took its row leaves that flow run scheduled; the next study's submission of
+    the row cancels it (else both would run the row), not the row's runs of another profile."""
+    from uuid import UUID
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    import flows.study as study_flows
+    from components.config import load_params
+    from flows.deployments import deploy_study_row
+
+    set_params(project, {"prefect.work_pool": "study-rows-no-worker"})  # nobody takes them: they stay scheduled
+    monkeypatch.chdir(project)
+    deploy_study_row(project, load_params(project / "params.yaml"))
+    row = ("demo-kitchen/sft-only-seed0", {"seed": 0}, "evaluate_policies", None, "0" * 40, {})
+
+    @flow
+    def submit(profile: str) -> str:  # as a study submits it: a task of its flow run
+        return study_flows.submit_row(*row, profile, False)
+
+    stopped_study, other_profile, this_study = submit("quick"), submit("cpu"), submit("quick")
+    with get_client(sync_client=True) as client:
+        states = {run: client.read_flow_run(UUID(run)).state for run in (stopped_study, other_profile, this_study)}
+    assert states[stopped_study].is_cancelled()
+    assert states[other_profile].is_scheduled() and states[this_study].is_scheduled()
+
+
 class Killed(BaseException):
     """What a worker killed at a session's end sees: no Exception, so nothing records it as a failed attempt."""
 
