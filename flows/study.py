@@ -338,11 +338,10 @@ def cancel_unstarted(name: str, profile: str) -> int:
 
     unstarted = FlowRunFilter(name=FlowRunFilterName(any_=[name]), state=FlowRunFilterState(
         type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING])))
+    rows = DeploymentFilter(name=DeploymentFilterName(any_=[deployments.STUDY_ROW_DEPLOYMENT]))
     with get_client(sync_client=True) as client:
-        runs = [run for run in client.read_flow_runs(
-                    flow_run_filter=unstarted,
-                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployments.STUDY_ROW_DEPLOYMENT])))
-                if run.parameters.get("profile") == profile]
+        found = client.read_flow_runs(flow_run_filter=unstarted, deployment_filter=rows)
+        runs = [run for run in found if run.parameters.get("profile") == profile]
         for run in runs:
             client.set_flow_run_state(run.id, Cancelled(message="a later study submitted this row again"), force=True)
     return len(runs)
