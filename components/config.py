@@ -417,6 +417,10 @@ class StudyParams(Section):
     on_work_pool: bool = Field(description=(
         "each run a flow run of the study_row deployment on prefect.work_pool, in a workspace of its own: the "
         "pool's workers run as many at once as they take; false: one after another in this checkout"))
+    parked_rows: str | None = Field(description=(
+        "folder where each work-pool row's resume state (checkpoints, games played so far, its clock) is copied "
+        "while it runs, to commit with the rows: a row whose workspace is gone (another machine) goes on from it; "
+        "null: none"))
 
 
 class PrefectParams(Section):

@@ -6,6 +6,7 @@
   dreamgym flow results_study                      the paper's Table 1: every variant of params.yaml `study`
   dreamgym study run|report [ROW...]               the study's rows not finished (or those named), or its report
   dreamgym study supersede ROW... --reason TEXT    mark finished study runs a change to the method outdates
+  dreamgym study park [--profile P]                copy the running work-pool rows' resume state to study.parked_rows
   dreamgym deploy                                  register the retraining deployment on PREFECT_API_URL's server
   dreamgym params check                            load params.yaml and report problems
   dreamgym params use PROFILE                      write a profile (profiles/NAME.yaml: quick, cpu, gpu) into it
@@ -69,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
                                         "from the runs kept in study.results_dir (runs copied in from other "
                                         "checkouts), running none; `supersede ROW... --reason TEXT` marks finished "
                                         "runs that a later change to the method outdates: kept, out of the results, "
-                                        "run again")
-    study_command.add_argument("action", choices=["run", "report", "supersede"])
+                                        "run again; `park` copies the resume state of the work-pool rows running "
+                                        "here into study.parked_rows now (their flow runs do it every minute), to "
+                                        "commit before this machine goes")
+    study_command.add_argument("action", choices=["run", "report", "supersede", "park"])
     study_command.add_argument("rows", nargs="*", help="run, supersede: rows named <environment>/<variant>-seed<k>, "
                                "as the report's planned runs list them (run's default: every row)")
     study_command.add_argument("--reason", default="", help="supersede: why the runs no longer stand (the report "
                                "prints it)")
-    study_command.add_argument("--profile", help="report: the study of params.yaml with this profile's values (quick, "
-                               "cpu, gpu or a path), as `params use` would set them, without changing params.yaml")
+    study_command.add_argument("--profile", help="report, park: the study of params.yaml with this profile's values "
+                               "(quick, cpu, gpu or a path), as `params use` would set them, without changing "
+                               "params.yaml")
     coverage = commands.add_parser("coverage", help="per task of an environment: reset, interactive elements the "
                                    "state shows, expert or random success; writes reports/<env>_coverage.md")
     coverage.add_argument("environment", choices=["miniwob"])
@@ -346,8 +350,11 @@ def _study(args: argparse.Namespace, params) -> int:
                 raise ParamsError("`study run` runs the study params.yaml holds: `dreamgym params use PROFILE` first")
             params = load_params(args.params, {**profile_values(args.profile), **set_overrides(args.set)})
             profile = "custom" if Path(args.profile).suffix else args.profile  # as active_profile names a path's
-        if args.action == "report" and args.rows:
-            raise ParamsError("`study report` takes no rows: it reports every kept run")
+        if args.action in ("report", "park") and args.rows:
+            does = "reports every kept run" if args.action == "report" else "parks every row running here"
+            raise ParamsError(f"`study {args.action}` takes no rows: it {does}")
+        if args.action == "park":
+            return _park(params, profile)
         results_dir, algorithms = Path(params.study.results_dir), tuple(params.study.algorithms)
         if args.action == "supersede":
             if not args.rows:
@@ -369,6 +376,29 @@ def _study(args: argparse.Namespace, params) -> int:
         return EXIT_UNUSABLE
     print(f"{results_dir / 'README.md'}: {len(study.finished_runs(results_dir, algorithms))} runs, {len(metrics)} "
           "methods; also reports/results_study.md and metrics/results_study.json")
+    return EXIT_OK
+
+
+def _park(params, profile: str) -> int:
+    """`study park`: every row workspace of `profile` in this checkout parked in study.parked_rows."""
+    from flows.study import ROW_WORKSPACES, park_row
+
+    if not params.study.parked_rows:
+        raise ParamsError(f"study.parked_rows is not set at profile {profile}: nowhere to park the rows (the cpu and "
+                          "gpu profiles set it; `--profile cpu` reads theirs)")
+    if params.models.kept_trainings:  # resolved here: a workspace's own copy of the folder is not where rows keep
+        kept = str(Path(params.models.kept_trainings).resolve())
+        params = params.model_copy(update={"models": params.models.model_copy(update={"kept_trainings": kept})})
+    workspaces = sorted(path.parent for path in (ROW_WORKSPACES / profile).glob("*/*/.git"))
+    if not workspaces:
+        print(f"no row workspace of profile {profile} in {ROW_WORKSPACES / profile}: nothing to park")
+    for workspace in workspaces:
+        name = workspace.relative_to(ROW_WORKSPACES / profile).as_posix()
+        parked = Path(params.study.parked_rows) / name
+        copied = park_row(name, profile, workspace, parked, params)
+        held = sum(f.stat().st_size for f in parked.rglob("*") if f.is_file())
+        print(f"{name}: parked in {parked} ({copied / 2**20:.1f} MB copied now, {held / 2**20:.1f} MB held); "
+              "commit it: a new workspace of the row on another machine goes on from it")
     return EXIT_OK
 
 

@@ -14,26 +14,35 @@ machine or per core budget).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from components.config import active_profile, load_params, write_params
+from components.config import Params, ParamsError, active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
 from components.files import atomic_write_text
 from components.results import study
-from components.results.workspace import claimed, keeping_commits, make_workspace, reattach_head, working_state
+from components.results.workspace import (
+    claimed,
+    keeping_commits,
+    make_workspace,
+    park,
+    reattach_head,
+    unpark,
+    working_state,
+)
 from flows import deployments
 from flows.pipeline import PARAMS, CommandFailed, onboard_collected_seed, reproduce, run_logged
-from stages import sim_to_real
+from stages import outputs, sim_to_real
 from stages.common import StageError
 from stages.correction_rounds import round_path
 
@@ -42,9 +51,12 @@ from stages.correction_rounds import round_path
 # algorithm). The next study puts the file back first.
 PARAMS_BACKUP = Path(".dvc/tmp/study-params.yaml")
 
+log = logging.getLogger(__name__)
+
 # A row's wall time over its invocations: a study killed mid-row (a session's end) cannot record what the row took,
 # so the running row's clock is written here every minute and the row's next invocation goes on from it.
 ROW_CLOCKS = Path(".dvc/tmp/study-clocks")
+TICK_SECONDS = 60.0  # between a running row's clock saves (and, with study.parked_rows, parking passes)
 
 
 class RowClock:
@@ -66,15 +78,17 @@ class RowClock:
 
 
 @contextmanager
-def row_clock(name: str, every: float = 60.0) -> Iterator[RowClock]:
-    """The clock named `name` (`RowClock`), saved every `every` seconds while the row runs. Its file goes when the
-    caller has recorded the row's time (`clock.recorded`: finished, or a failed attempt kept); a stopped row
-    (SIGTERM, SIGKILL) leaves it for the next invocation."""
+def row_clock(name: str, every: float = TICK_SECONDS, on_tick: Callable[[], None] | None = None) -> Iterator[RowClock]:
+    """The clock named `name` (`RowClock`), saved every `every` seconds while the row runs, and `on_tick` called
+    then. Its file goes when the caller has recorded the row's time (`clock.recorded`: finished, or a failed attempt
+    kept); a stopped row (SIGTERM, SIGKILL) leaves it for the next invocation."""
     clock, stop = RowClock(ROW_CLOCKS / f"{name}.json"), threading.Event()
 
     def tick() -> None:
         while not stop.wait(every):
             clock.save()
+            if on_tick is not None and not clock.recorded:  # recorded: the row is done, its workspace going
+                on_tick()
 
     clock.save()
     ticking = threading.Thread(target=tick, name=f"clock {name}", daemon=True)
@@ -111,6 +125,40 @@ def put_back_params(original: str) -> None:
 
 
 ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by profile and row, in the worker's checkout
+PARKED_CLOCK, PARKED_FILES = "clock.json", "workspace"  # in a row's folder of study.parked_rows
+
+
+def park_row(name: str, profile: str, workspace: Path, parked: Path, params: Params | None = None) -> int:
+    """The resume state of the row's workspace (`outputs.resume_state` by `params`, else the workspace's own) and its
+    clock mirrored in `parked`, the row's folder of study.parked_rows (`workspace.park`); bytes copied. Parking runs
+    beside the row, which may remove a file it is copying (a pruned checkpoint): that pass is given up with a warning,
+    and the next one parks it."""
+    try:
+        copied = park(outputs.resume_state(params or load_params(workspace / PARAMS), workspace), workspace,
+                      parked / PARKED_FILES)
+        if (clock := ROW_CLOCKS / profile / f"{name}.json").is_file():
+            shutil.copy2(clock, parked / PARKED_CLOCK)
+    except (OSError, ParamsError) as error:  # a file gone mid-copy; the workspace removed as the row ended
+        log.warning("%s: parking its resume state in %s failed this time (%s); the next pass tries again", name,
+                    parked, error)
+        return 0
+    return copied
+
+
+def parked_folder(workspace: Path, name: str) -> Path | None:
+    """The row's folder of study.parked_rows as the workspace's params set it, or None."""
+    folder = load_params(workspace / PARAMS).study.parked_rows
+    return Path(folder) / name if folder else None
+
+
+def unpark_row(name: str, profile: str, workspace: Path, parked: Path) -> int:
+    """A new workspace of the row given what `park_row` kept in `parked`, and the row's clock from it where this
+    checkout has none (the machine that parked it is gone); the files put back."""
+    clock = ROW_CLOCKS / profile / f"{name}.json"
+    if (parked / PARKED_CLOCK).is_file() and not clock.is_file():
+        clock.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(parked / PARKED_CLOCK, clock)
+    return unpark(parked / PARKED_FILES, workspace)
 
 
 def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> list[str]:
@@ -282,8 +330,15 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     at a session's end) goes on from its checkpoints there in the next flow run, its wall time too (`row_clock`).
     It is removed after a run that finished, kept after one that failed."""
     workspace = ROW_WORKSPACES / profile / name
-    with claimed(workspace), row_clock(f"{profile}/{name}") as clock:
+    with claimed(workspace), ExitStack() as running:
+        fresh = not workspace.exists()
         workspace = make_workspace(".", commit, workspace, state)
+        parked = parked_folder(workspace, name)
+        if fresh and parked is not None and parked.is_dir():
+            get_run_logger().info("%s: a new workspace; put back %d parked file(s) of the row from %s", name,
+                                  unpark_row(name, profile, workspace, parked), parked)
+        clock = running.enter_context(row_clock(f"{profile}/{name}", TICK_SECONDS, None if parked is None else
+                                                lambda: park_row(name, profile, workspace, parked)))
         get_run_logger().info("%s: running in %s%s", name, workspace,
                               f" (resumed: {clock.earlier / 60:.0f} min before)" if clock.earlier else "")
         try:
@@ -298,6 +353,8 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
                  study.RUN_RECORD: json.dumps(record, indent=2, sort_keys=True) + "\n"}
         clock.recorded = True
         shutil.rmtree(workspace)
+        if parked is not None:
+            shutil.rmtree(parked, ignore_errors=True)
     return files
 
 

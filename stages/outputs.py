@@ -88,3 +88,29 @@ def publish(params: Params, run_id: str, stage: str, root: str | Path = ".") -> 
     store = open_artifact_store(params.storage)
     return [store.put(Path(root) / output, run_id, artifact_name(stage, output))
             for output in outputs if (Path(root) / output).exists()]
+
+
+def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
+    """What the stages under `root` keep outside git and DVC's outputs that a rerun goes on from, where it is there:
+    the trainings' and RL runs' checkpoints and the evaluations' journals of the games played so far. A training
+    kept in models.kept_trainings is left out (the kept one restores it), and so are a correction row's rounds (each
+    round holds its own models, hundreds of MB)."""
+    from stages import evaluate_baselines, evaluate_experience_model, evaluate_policies
+
+    root = Path(root)
+    kept = root / params.models.kept_trainings if params.models.kept_trainings else None
+    checkpoints = [root / out_dir / "checkpoints" for out_dir in (
+        params.experience_model.out_dir, params.policy.sft.out_dir, params.synthetic_rl.out_dir,
+        f"{params.synthetic_rl.out_dir}/curriculum_writer", params.sim_to_real.out_dir)]
+    journals = [root / stage.JOURNALS for stage in (evaluate_policies, evaluate_experience_model, evaluate_baselines)]
+    return [path for path in checkpoints + journals if path.exists() and not _kept_training(path, kept)]
+
+
+def _kept_training(checkpoints: Path, kept: Path | None) -> bool:
+    """Whether `checkpoints` are a training's that `kept` holds (`sft.keep_training`: by its fingerprint)."""
+    stamp = checkpoints / "fingerprint.txt"
+    if kept is None or not stamp.is_file():
+        return False
+    fingerprint = stamp.read_text(encoding="utf-8").strip()
+    kept_stamp = kept / fingerprint[:16] / "fingerprint.txt"
+    return kept_stamp.is_file() and kept_stamp.read_text(encoding="utf-8").strip() == fingerprint

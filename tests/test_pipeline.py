@@ -553,6 +553,111 @@ def test_a_work_pool_row_stopped_mid_run_goes_on_in_its_workspace(onboarded, mon
     assert not workspace.exists() and not (onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json").exists()
 
 
+def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_new_workspace_gets_them(tmp_path):
+    """`park` mirrors resume state in a folder that outlives the machine: of the checkpoints only the newest settled
+    one (a checkpoint still being written is not copied), pruned ones go, journals follow; `unpark` puts it back
+    into a new workspace. `resume_state` leaves out a training the kept trainings hold."""
+    from components.config import load_params
+    from components.results.workspace import park, unpark
+    from stages.outputs import resume_state
+
+    workspace, parked, kept = tmp_path / "workspace", tmp_path / "parked", tmp_path / "kept"
+    rl = workspace / "models" / "policy" / "rl" / "checkpoints"
+    long_ago = time.time() - 3600
+
+    def checkpoint(number: int, settled: bool) -> None:
+        (rl / f"checkpoint-{number}").mkdir(parents=True)
+        (rl / f"checkpoint-{number}" / "adapter.safetensors").write_text(f"weights {number}")
+        if settled:
+            os.utime(rl / f"checkpoint-{number}" / "adapter.safetensors", (long_ago, long_ago))
+
+    checkpoint(1, settled=True)
+    checkpoint(2, settled=True)
+    checkpoint(3, settled=False)  # mid-save
+    (rl / "fingerprint.txt").write_text("rl run\n")
+    journal = workspace / ".cache" / "evaluate_policies" / "synthetic_grpo.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text('{"game": 1}\n')
+    sft = workspace / "models" / "policy" / "sft" / "checkpoints"
+    (sft / "checkpoint-9").mkdir(parents=True)
+    (sft / "fingerprint.txt").write_text("0123456789abcdef0123\n")
+    (kept / "0123456789abcdef").mkdir(parents=True)
+    (kept / "0123456789abcdef" / "fingerprint.txt").write_text("0123456789abcdef0123\n")
+    params = load_params(REPO / "params.yaml", {"models.kept_trainings": str(kept)})
+
+    paths = resume_state(params, workspace)
+    assert sorted(p.relative_to(workspace).as_posix() for p in paths) == [
+        ".cache/evaluate_policies", "models/policy/rl/checkpoints"]  # the warm start is kept: not parked
+    park(paths, workspace, parked)
+    held = sorted(p.relative_to(parked).as_posix() for p in parked.rglob("*") if p.is_file())
+    assert held == [".cache/evaluate_policies/synthetic_grpo.jsonl",
+                    "models/policy/rl/checkpoints/checkpoint-2/adapter.safetensors",
+                    "models/policy/rl/checkpoints/fingerprint.txt"]
+
+    shutil.rmtree(rl / "checkpoint-1")  # the run prunes, checkpoint 3 settles, a game is played
+    os.utime(rl / "checkpoint-3" / "adapter.safetensors", (long_ago, long_ago))
+    journal.write_text('{"game": 1}\n{"game": 2}\n')
+    park(resume_state(params, workspace), workspace, parked)
+    held = sorted(p.relative_to(parked).as_posix() for p in parked.rglob("*") if p.is_file())
+    assert held == [".cache/evaluate_policies/synthetic_grpo.jsonl",
+                    "models/policy/rl/checkpoints/checkpoint-3/adapter.safetensors",
+                    "models/policy/rl/checkpoints/fingerprint.txt"]
+
+    fresh = tmp_path / "another machine"
+    assert unpark(parked, fresh) == 3
+    assert (fresh / "models/policy/rl/checkpoints/checkpoint-3/adapter.safetensors").read_text() == "weights 3"
+    assert (fresh / ".cache/evaluate_policies/synthetic_grpo.jsonl").read_text() == '{"game": 1}\n{"game": 2}\n'
+
+
+def test_a_parked_work_pool_row_goes_on_in_a_new_workspace_when_its_machine_is_gone(onboarded, monkeypatch,
+                                                                                    prefect_server):
+    """With study.parked_rows a running row parks its resume state and clock every tick; killed, and its workspace
+    and clock gone with the machine, its next flow run makes a new workspace, puts the parked checkpoint and journal
+    back, goes on from them, counts the first machine's time, and removes the parked folder once finished."""
+    import flows.study as study_flows
+    from components.results.workspace import working_state
+
+    set_params(onboarded, {"study.parked_rows": "parked"})
+    commit = commit_project(onboarded, monkeypatch)
+    monkeypatch.chdir(onboarded)
+    monkeypatch.setattr(study_flows, "TICK_SECONDS", 0.2)
+    name, state = "demo-kitchen/dreamgym-grpo-seed0", working_state(onboarded)
+    checkpoint = Path("models") / "policy" / "rl" / "checkpoints" / "checkpoint-2"
+    journal = Path(".cache") / "evaluate_policies" / "synthetic_grpo.jsonl"
+
+    def stopped(row, overrides, target, measures_simulator, cwd):
+        (Path(cwd) / checkpoint).mkdir(parents=True)
+        (Path(cwd) / checkpoint / "adapter.safetensors").write_text("weights 2")
+        os.utime(Path(cwd) / checkpoint / "adapter.safetensors", (time.time() - 3600,) * 2)  # settled
+        (Path(cwd) / journal).parent.mkdir(parents=True)
+        (Path(cwd) / journal).write_text('{"game": 1}\n')
+        time.sleep(1.5)  # ticks park it
+        raise Killed
+
+    def goes_on(row, overrides, target, measures_simulator, cwd):
+        assert (Path(cwd) / checkpoint / "adapter.safetensors").read_text() == "weights 2"
+        assert (Path(cwd) / journal).read_text() == '{"game": 1}\n'
+        (Path(cwd) / "metrics").mkdir(exist_ok=True)
+        (Path(cwd) / "metrics" / "evaluate_policies.json").write_text('{"synthetic_grpo": {}}')
+        return None
+
+    def row_flow():
+        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
+
+    monkeypatch.setattr(study_flows, "run_row", stopped)
+    with pytest.raises(Killed):
+        row_flow()
+    parked = onboarded / "parked" / name
+    assert (parked / "workspace" / checkpoint / "adapter.safetensors").is_file()
+    assert json.loads((parked / "clock.json").read_text())["seconds"] >= 1.0
+    shutil.rmtree(onboarded / study_flows.ROW_WORKSPACES)  # the machine is gone, and with it what git ignores
+    shutil.rmtree(onboarded / study_flows.ROW_CLOCKS)
+    monkeypatch.setattr(study_flows, "run_row", goes_on)
+    record = json.loads(row_flow()["run.json"])
+    assert record["seconds"] >= record["earlier_seconds"] >= 1.0
+    assert not parked.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [2, 1])
 def test_the_work_pools_workers_run_study_rows_at_once(onboarded, monkeypatch, prefect_api, tiny_model_dir, workers):

@@ -14,12 +14,14 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from components.config import load_params, write_params
+from components.files import atomic_directory
 
 # What DVC needs of the project's working state, beside the commit's code
 WORKING_STATE = ("params.yaml", "data.dvc", "dvc.lock")
@@ -60,6 +62,83 @@ def make_workspace(project: str | Path, commit: str, path: str | Path, state: di
     if (path / "data.dvc").is_file():
         _run(["dvc", "checkout", "--quiet", "data.dvc"], cwd=path)
     return path
+
+
+# A checkpoint-N folder is parked whole once none of its files changed for this long (its trainer is done saving)
+SETTLED_SECONDS = 30.0
+
+
+def park(paths: Iterable[Path], root: str | Path, parked: str | Path, settled: float = SETTLED_SECONDS) -> int:
+    """Mirror the resume state `paths` (files or folders under `root`, a row's workspace) in `parked`, a folder that
+    outlives the machine (committed with the rows), so that a row whose machine is gone goes on elsewhere (`unpark`).
+
+    Of a folder's `checkpoint-N` folders only the newest that is settled (no file changed for `settled` seconds) is
+    parked, whole, replacing the one parked before: a checkpoint copied mid-save would be the newest and broken.
+    Other files (journals, stamps) are copied when their size or time changed; what the workspace no longer holds
+    goes from `parked`. Returns the bytes copied."""
+    root, parked, copied = Path(root), Path(parked), 0
+    wanted: set[Path] = set()
+    for path in paths:
+        for checkpoint in _newest_settled_checkpoints(path, settled) if path.is_dir() else []:
+            wanted.add(checkpoint.relative_to(root))
+            if not (target := parked / checkpoint.relative_to(root)).is_dir():
+                with atomic_directory(target) as partial:
+                    shutil.copytree(checkpoint, partial, dirs_exist_ok=True)
+                copied += sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+        files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+        for source in files:
+            relative = source.relative_to(root)
+            if any(_checkpoint_number(folder) >= 0 for folder in relative.parents):
+                continue  # a checkpoint's: parked whole above, or not at all
+            wanted.add(relative)
+            if not (target := parked / relative).is_file() or _stat(target) != _stat(source):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+                copied += source.stat().st_size
+    for path in sorted(parked.rglob("*"), reverse=True) if parked.is_dir() else []:  # deepest first
+        relative = path.relative_to(parked)
+        if relative in wanted or any(folder in wanted for folder in relative.parents):
+            continue
+        if path.is_file():
+            path.unlink()
+        elif not any(path.iterdir()):  # a folder whose files went
+            path.rmdir()
+    return copied
+
+
+def unpark(parked: str | Path, root: str | Path) -> int:
+    """Put what `park` kept in `parked` into `root` (a new workspace of the row), leaving what `root` holds; the
+    files put back."""
+    parked, root, restored = Path(parked), Path(root), 0
+    for source in sorted(parked.rglob("*")) if parked.is_dir() else []:
+        target = root / source.relative_to(parked)
+        if source.is_file() and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+            restored += 1
+    return restored
+
+
+def _newest_settled_checkpoints(folder: Path, settled: float) -> list[Path]:
+    """Per folder under `folder` holding `checkpoint-N` folders, the newest of them none of whose files changed for
+    `settled` seconds."""
+    now, newest = time.time(), {}
+    for checkpoint in sorted(folder.rglob("checkpoint-*"), key=_checkpoint_number):  # oldest first
+        times = [f.stat().st_mtime for f in checkpoint.rglob("*") if f.is_file()] if checkpoint.is_dir() else []
+        if _checkpoint_number(checkpoint) >= 0 and times and now - max(times) >= settled:
+            newest[checkpoint.parent] = checkpoint
+    return list(newest.values())
+
+
+def _checkpoint_number(path: Path) -> int:
+    """N of a `checkpoint-N` folder's name; -1 for any other name."""
+    number = path.name.rsplit("-", 1)[-1]
+    return int(number) if path.name.startswith("checkpoint-") and number.isdigit() else -1
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns
 
 
 def _checkout_of(project: Path, path: Path) -> bool:
