@@ -515,38 +515,55 @@ class Killed(BaseException):
     """What a worker killed at a session's end sees: no Exception, so nothing records it as a failed attempt."""
 
 
+def killed_then_run_again(monkeypatch, name: str, commit: str, state: dict, stopped, goes_on, between) -> dict:
+    """The row's flow run with `stopped(cwd)` as its DVC run (`run_row`, covered by the work-pool test), killed,
+    `between()`, then its next flow run with `goes_on(cwd)` as its run, which ends writing the row's metrics; the
+    files that one returns."""
+    import flows.study as study_flows
+
+    def row_flow():
+        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
+
+    def killed(row, overrides, target, measures_simulator, cwd):
+        stopped(Path(cwd))
+        raise Killed
+
+    def finishing(row, overrides, target, measures_simulator, cwd):
+        goes_on(Path(cwd))
+        (Path(cwd) / "metrics").mkdir(exist_ok=True)
+        (Path(cwd) / "metrics" / "evaluate_policies.json").write_text('{"synthetic_grpo": {}}')
+
+    monkeypatch.setattr(study_flows, "run_row", killed)
+    with pytest.raises(Killed):
+        row_flow()
+    between()
+    monkeypatch.setattr(study_flows, "run_row", finishing)
+    return row_flow()
+
+
 def test_a_work_pool_row_stopped_mid_run_goes_on_in_its_workspace(onboarded, monkeypatch, prefect_server):
     """A row's flow run killed mid-run leaves its workspace and clock; the row's next flow run (another id) goes on
-    there, from what the first wrote, and its record counts both invocations' time. Here the row's DVC run
-    (`run_row`, covered by the work-pool test) is a stand-in that writes what a run leaves."""
+    there, from what the first wrote, and its record counts both invocations' time. Here the row's DVC run is a
+    stand-in that writes what a run leaves."""
     import flows.study as study_flows
     from components.results.workspace import working_state
 
     commit = commit_project(onboarded, monkeypatch)
     monkeypatch.chdir(onboarded)
     name, state = "demo-kitchen/dreamgym-grpo-seed0", working_state(onboarded)
-
-    def stopped(row, overrides, target, measures_simulator, cwd):
-        (Path(cwd) / "models" / "checkpoint-5").mkdir(parents=True)
-        time.sleep(0.5)
-        raise Killed
-
-    def goes_on(row, overrides, target, measures_simulator, cwd):
-        assert (Path(cwd) / "models" / "checkpoint-5").is_dir()  # the first invocation's checkpoint, resumed from
-        (Path(cwd) / "metrics").mkdir(exist_ok=True)
-        (Path(cwd) / "metrics" / "evaluate_policies.json").write_text('{"synthetic_grpo": {}}')
-        return None
-
-    def row_flow():
-        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
-
-    monkeypatch.setattr(study_flows, "run_row", stopped)
-    with pytest.raises(Killed):
-        row_flow()
     workspace = onboarded / study_flows.ROW_WORKSPACES / "quick" / name
-    assert (workspace / "models" / "checkpoint-5").is_dir()
-    monkeypatch.setattr(study_flows, "run_row", goes_on)
-    files = row_flow()
+
+    def stopped(cwd):
+        (cwd / "models" / "checkpoint-5").mkdir(parents=True)
+        time.sleep(0.5)
+
+    def goes_on(cwd):
+        assert (cwd / "models" / "checkpoint-5").is_dir()  # the first invocation's checkpoint, resumed from
+
+    def killed_workspace_kept():
+        assert (workspace / "models" / "checkpoint-5").is_dir()
+
+    files = killed_then_run_again(monkeypatch, name, commit, state, stopped, goes_on, killed_workspace_kept)
     record = json.loads(files["run.json"])
     assert files["evaluate_policies.json"] == '{"synthetic_grpo": {}}'
     assert record["commit"] == commit and record["seconds"] >= record["earlier_seconds"] >= 0.5
@@ -624,36 +641,28 @@ def test_a_parked_work_pool_row_goes_on_in_a_new_workspace_when_its_machine_is_g
     name, state = "demo-kitchen/dreamgym-grpo-seed0", working_state(onboarded)
     checkpoint = Path("models") / "policy" / "rl" / "checkpoints" / "checkpoint-2"
     journal = Path(".cache") / "evaluate_policies" / "synthetic_grpo.jsonl"
-
-    def stopped(row, overrides, target, measures_simulator, cwd):
-        (Path(cwd) / checkpoint).mkdir(parents=True)
-        (Path(cwd) / checkpoint / "adapter.safetensors").write_text("weights 2")
-        os.utime(Path(cwd) / checkpoint / "adapter.safetensors", (time.time() - 3600,) * 2)  # settled
-        (Path(cwd) / journal).parent.mkdir(parents=True)
-        (Path(cwd) / journal).write_text('{"game": 1}\n')
-        time.sleep(1.5)  # ticks park it
-        raise Killed
-
-    def goes_on(row, overrides, target, measures_simulator, cwd):
-        assert (Path(cwd) / checkpoint / "adapter.safetensors").read_text() == "weights 2"
-        assert (Path(cwd) / journal).read_text() == '{"game": 1}\n'
-        (Path(cwd) / "metrics").mkdir(exist_ok=True)
-        (Path(cwd) / "metrics" / "evaluate_policies.json").write_text('{"synthetic_grpo": {}}')
-        return None
-
-    def row_flow():
-        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
-
-    monkeypatch.setattr(study_flows, "run_row", stopped)
-    with pytest.raises(Killed):
-        row_flow()
     parked = onboarded / "parked" / name
-    assert (parked / "workspace" / checkpoint / "adapter.safetensors").is_file()
-    assert json.loads((parked / "clock.json").read_text())["seconds"] >= 1.0
-    shutil.rmtree(onboarded / study_flows.ROW_WORKSPACES)  # the machine is gone, and with it what git ignores
-    shutil.rmtree(onboarded / study_flows.ROW_CLOCKS)
-    monkeypatch.setattr(study_flows, "run_row", goes_on)
-    record = json.loads(row_flow()["run.json"])
+
+    def stopped(cwd):
+        (cwd / checkpoint).mkdir(parents=True)
+        (cwd / checkpoint / "adapter.safetensors").write_text("weights 2")
+        os.utime(cwd / checkpoint / "adapter.safetensors", (time.time() - 3600,) * 2)  # settled
+        (cwd / journal).parent.mkdir(parents=True)
+        (cwd / journal).write_text('{"game": 1}\n')
+        time.sleep(1.5)  # ticks park it
+
+    def goes_on(cwd):
+        assert (cwd / checkpoint / "adapter.safetensors").read_text() == "weights 2"
+        assert (cwd / journal).read_text() == '{"game": 1}\n'
+
+    def machine_gone():
+        assert (parked / "workspace" / checkpoint / "adapter.safetensors").is_file()
+        assert json.loads((parked / "clock.json").read_text())["seconds"] >= 1.0
+        shutil.rmtree(onboarded / study_flows.ROW_WORKSPACES)  # and with it what git ignores
+        shutil.rmtree(onboarded / study_flows.ROW_CLOCKS)
+
+    record = json.loads(killed_then_run_again(monkeypatch, name, commit, state, stopped, goes_on,
+                                              machine_gone)["run.json"])
     assert record["seconds"] >= record["earlier_seconds"] >= 1.0
     assert not parked.exists()
 
