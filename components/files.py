@@ -104,3 +104,14 @@ def fingerprint(values: Any, sources: Iterable[Path] = ()) -> str:
     a piece of resumable work is made from, so that only the same work resumes it."""
     payload = json.dumps([values, [sha256_file(Path(source)) for source in sources]], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def checkpoint_number(checkpoint: Path) -> int:
+    """N of `checkpoint-N`: the iterations (GRPO: optimizer steps, one per iteration) it holds."""
+    return int(checkpoint.name.rsplit("-", 1)[-1])
+
+
+def numbered_checkpoints(checkpoints: Path) -> list[Path]:
+    """The `checkpoint-N` folders in `checkpoints`, oldest first."""
+    found = [p for p in checkpoints.glob("checkpoint-*") if p.name.rsplit("-", 1)[-1].isdigit()]
+    return sorted(found, key=checkpoint_number)

@@ -27,7 +27,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from components.config import Params, ParamsError, active_profile, load_params, write_params
+from components.config import Params, active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
 from components.files import atomic_write_text
 from components.results import study
@@ -128,27 +128,20 @@ ROW_WORKSPACES = Path(".dvc/tmp/study_rows")  # a row's workspace, by profile an
 PARKED_CLOCK, PARKED_FILES = "clock.json", "workspace"  # in a row's folder of study.parked_rows
 
 
-def park_row(name: str, profile: str, workspace: Path, parked: Path, params: Params | None = None) -> int:
-    """The resume state of the row's workspace (`outputs.resume_state` by `params`, else the workspace's own) and its
-    clock mirrored in `parked`, the row's folder of study.parked_rows (`workspace.park`); bytes copied. Parking runs
-    beside the row, which may remove a file it is copying (a pruned checkpoint): that pass is given up with a warning,
-    and the next one parks it."""
+def park_row(name: str, profile: str, workspace: Path, parked: Path, params: Params) -> int:
+    """The resume state of the row's workspace (`outputs.resume_state` by its `params`) and its clock mirrored in
+    `parked`, the row's folder of study.parked_rows (`workspace.park`); bytes copied. Parking runs beside the row,
+    which may remove a file it is copying (a pruned checkpoint): that pass is given up with a warning, and the next
+    one parks it."""
     try:
-        copied = park(outputs.resume_state(params or load_params(workspace / PARAMS), workspace), workspace,
-                      parked / PARKED_FILES)
+        copied = park(outputs.resume_state(params, workspace), workspace, parked / PARKED_FILES)
         if (clock := ROW_CLOCKS / profile / f"{name}.json").is_file():
             shutil.copy2(clock, parked / PARKED_CLOCK)
-    except (OSError, ParamsError) as error:  # a file gone mid-copy; the workspace removed as the row ended
+    except OSError as error:  # a file gone mid-copy; the workspace removed as the row ended
         log.warning("%s: parking its resume state in %s failed this time (%s); the next pass tries again", name,
                     parked, error)
         return 0
     return copied
-
-
-def parked_folder(workspace: Path, name: str) -> Path | None:
-    """The row's folder of study.parked_rows as the workspace's params set it, or None."""
-    folder = load_params(workspace / PARAMS).study.parked_rows
-    return Path(folder) / name if folder else None
 
 
 def unpark_row(name: str, profile: str, workspace: Path, parked: Path) -> int:
@@ -333,12 +326,13 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
     with claimed(workspace), ExitStack() as running:
         fresh = not workspace.exists()
         workspace = make_workspace(".", commit, workspace, state)
-        parked = parked_folder(workspace, name)
+        params = load_params(workspace / PARAMS)
+        parked = Path(params.study.parked_rows) / name if params.study.parked_rows else None
         if fresh and parked is not None and parked.is_dir():
             get_run_logger().info("%s: a new workspace; put back %d parked file(s) of the row from %s", name,
                                   unpark_row(name, profile, workspace, parked), parked)
         clock = running.enter_context(row_clock(f"{profile}/{name}", TICK_SECONDS, None if parked is None else
-                                                lambda: park_row(name, profile, workspace, parked)))
+                                                lambda: park_row(name, profile, workspace, parked, params)))
         get_run_logger().info("%s: running in %s%s", name, workspace,
                               f" (resumed: {clock.earlier / 60:.0f} min before)" if clock.earlier else "")
         try:

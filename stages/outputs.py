@@ -108,9 +108,8 @@ def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
 
 def _kept_training(checkpoints: Path, kept: Path | None) -> bool:
     """Whether `checkpoints` are a training's that `kept` holds (`sft.keep_training`: by its fingerprint)."""
+    from components.llm.sft import kept_training
+
     stamp = checkpoints / "fingerprint.txt"
-    if kept is None or not stamp.is_file():
-        return False
-    fingerprint = stamp.read_text(encoding="utf-8").strip()
-    kept_stamp = kept / fingerprint[:16] / "fingerprint.txt"
-    return kept_stamp.is_file() and kept_stamp.read_text(encoding="utf-8").strip() == fingerprint
+    return kept is not None and stamp.is_file() and \
+        kept_training(kept, stamp.read_text(encoding="utf-8").strip()) is not None

@@ -310,15 +310,21 @@ def keep_training(checkpoints: str | Path, kept: str | Path, fingerprint: str, b
     return target
 
 
+def kept_training(kept: str | Path, fingerprint: str) -> Path | None:
+    """The folder `keep_training` kept the training with `fingerprint` in, or None where `kept` holds none."""
+    source = Path(kept) / fingerprint[:16]
+    stamp = source / "fingerprint.txt"
+    return source if stamp.is_file() and stamp.read_text(encoding="utf-8").strip() == fingerprint else None
+
+
 def restore_training(kept: str | Path, fingerprint: str, checkpoints: str | Path, base_path: str) -> str | None:
     """The training kept under `fingerprint` (`keep_training`) as the last checkpoint in `checkpoints`, its adapter
     pointing at `base_path` (the base model on this machine) and the files it shares with that model copied from
     there, where `checkpoints` holds none; its path, or None."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    source = Path(kept) / fingerprint[:16]
-    stamp = source / "fingerprint.txt"
-    if not stamp.is_file() or stamp.read_text(encoding="utf-8").strip() != fingerprint:
+    source = kept_training(kept, fingerprint)
+    if source is None:
         return None
     checkpoints = Path(checkpoints)
     if get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None:

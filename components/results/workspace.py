@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from components.config import load_params, write_params
-from components.files import atomic_directory
+from components.files import atomic_directory, numbered_checkpoints
 
 # What DVC needs of the project's working state, beside the commit's code
 WORKING_STATE = ("params.yaml", "data.dvc", "dvc.lock")
@@ -72,24 +72,26 @@ def park(paths: Iterable[Path], root: str | Path, parked: str | Path, settled: f
     """Mirror the resume state `paths` (files or folders under `root`, a row's workspace) in `parked`, a folder that
     outlives the machine (committed with the rows), so that a row whose machine is gone goes on elsewhere (`unpark`).
 
-    Of a folder's `checkpoint-N` folders only the newest that is settled (no file changed for `settled` seconds) is
-    parked, whole, replacing the one parked before: a checkpoint copied mid-save would be the newest and broken.
+    Of a checkpoints folder's `checkpoint-N` folders only the newest that is settled (no file changed for `settled`
+    seconds) is parked, whole, replacing the one parked before: a checkpoint copied mid-save would be the newest and
+    broken.
     Other files (journals, stamps) are copied when their size or time changed; what the workspace no longer holds
     goes from `parked`. Returns the bytes copied."""
     root, parked, copied = Path(root), Path(parked), 0
     wanted: set[Path] = set()
     for path in paths:
-        for checkpoint in _newest_settled_checkpoints(path, settled) if path.is_dir() else []:
-            wanted.add(checkpoint.relative_to(root))
-            if not (target := parked / checkpoint.relative_to(root)).is_dir():
+        checkpoints = numbered_checkpoints(path) if path.is_dir() else []
+        if newest := _newest_settled(checkpoints, settled):
+            wanted.add(newest.relative_to(root))
+            if not (target := parked / newest.relative_to(root)).is_dir():
                 with atomic_directory(target) as partial:
-                    shutil.copytree(checkpoint, partial, dirs_exist_ok=True)
-                copied += sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+                    shutil.copytree(newest, partial, dirs_exist_ok=True)
+                copied += sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
         for source in files:
-            relative = source.relative_to(root)
-            if any(_checkpoint_number(folder) >= 0 for folder in relative.parents):
+            if any(checkpoint in source.parents for checkpoint in checkpoints):
                 continue  # a checkpoint's: parked whole above, or not at all
+            relative = source.relative_to(root)
             wanted.add(relative)
             if not (target := parked / relative).is_file() or _stat(target) != _stat(source):
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,21 +121,14 @@ def unpark(parked: str | Path, root: str | Path) -> int:
     return restored
 
 
-def _newest_settled_checkpoints(folder: Path, settled: float) -> list[Path]:
-    """Per folder under `folder` holding `checkpoint-N` folders, the newest of them none of whose files changed for
-    `settled` seconds."""
-    now, newest = time.time(), {}
-    for checkpoint in sorted(folder.rglob("checkpoint-*"), key=_checkpoint_number):  # oldest first
-        times = [f.stat().st_mtime for f in checkpoint.rglob("*") if f.is_file()] if checkpoint.is_dir() else []
-        if _checkpoint_number(checkpoint) >= 0 and times and now - max(times) >= settled:
-            newest[checkpoint.parent] = checkpoint
-    return list(newest.values())
-
-
-def _checkpoint_number(path: Path) -> int:
-    """N of a `checkpoint-N` folder's name; -1 for any other name."""
-    number = path.name.rsplit("-", 1)[-1]
-    return int(number) if path.name.startswith("checkpoint-") and number.isdigit() else -1
+def _newest_settled(checkpoints: list[Path], settled: float) -> Path | None:
+    """The newest of `checkpoints` (oldest first) none of whose files changed for `settled` seconds, or None."""
+    now = time.time()
+    for checkpoint in reversed(checkpoints):
+        times = [f.stat().st_mtime for f in checkpoint.rglob("*") if f.is_file()]
+        if times and now - max(times) >= settled:
+            return checkpoint
+    return None
 
 
 def _stat(path: Path) -> tuple[int, int]:

@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from components import distributed
 from components.data.contract import Trajectory, append_records, read_records, write_records
 from components.envs.base import check_not_all_failed
-from components.files import atomic_directory, atomic_write_text, directory_sha256, discard_unless_stamped, fingerprint
+from components.files import (
+    atomic_directory,
+    atomic_write_text,
+    checkpoint_number,
+    directory_sha256,
+    discard_unless_stamped,
+    fingerprint,
+    numbered_checkpoints,
+)
 from components.llm.backends import stream_seed
 from components.llm.sft import LoraSettings, save_for_inference
 from components.rl.rollouts import Episode, EpisodeBatch, RolloutStats, rollout
@@ -342,17 +350,6 @@ def load_sidecars(checkpoint: Path, buffer: ReplayBuffer | None, curriculum: Cur
         buffer.restore(checkpoint / BUFFER_DIR)
     curriculum.load_state_dict(json.loads((checkpoint / CURRICULUM_FILE).read_text(encoding="utf-8")))
     return log
-
-
-def checkpoint_number(checkpoint: Path) -> int:
-    """N of `checkpoint-N`: the iterations (GRPO: optimizer steps, one per iteration) it holds."""
-    return int(checkpoint.name.rsplit("-", 1)[-1])
-
-
-def numbered_checkpoints(checkpoints: Path) -> list[Path]:
-    """The `checkpoint-N` folders in `checkpoints`, oldest first."""
-    found = [p for p in checkpoints.glob("checkpoint-*") if p.name.rsplit("-", 1)[-1].isdigit()]
-    return sorted(found, key=checkpoint_number)
 
 
 def prune_checkpoints(checkpoints: Path, keep: int) -> None:
