@@ -26,6 +26,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Cancelled, Failed, State
 
 from components.config import Params, active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 # A row's wall time over its invocations: a study killed mid-row (a session's end) cannot record what the row took,
 # so the running row's clock is written here every minute and the row's next invocation goes on from it.
 ROW_CLOCKS = Path(".dvc/tmp/study-clocks")
+FAILED_ATTEMPT = "failed_attempt"  # the key of a failed row flow run's record in its state's data
 TICK_SECONDS = 60.0  # between a running row's clock saves (and, with study.parked_rows, parking passes)
 
 
@@ -316,12 +318,13 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
 
 @flow(name="study_row", flow_run_name="{name}", persist_result=True)
 def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | None, commit: str,
-                   state: dict[str, str], profile: str, measures_simulator: bool = False) -> dict[str, str]:
+                   state: dict[str, str], profile: str, measures_simulator: bool = False) -> dict[str, str] | State:
     """One study run on a worker: a workspace of the study's `commit` and working `state` (params.yaml, data.dvc,
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
-    returned to the study. The workspace is the row's (by profile and name): a row stopped mid-run (a worker killed
-    at a session's end) goes on from its checkpoints there in the next flow run, its wall time too (`row_clock`).
-    It is removed after a run that finished, kept after one that failed."""
+    returned to the study; a run that fails ends Failed with the attempt's record (its time over all invocations,
+    its stage, why) for the study to keep. The workspace is the row's (by profile and name): a row stopped mid-run
+    (a worker killed at a session's end) goes on from its checkpoints there in the next flow run, its wall time too
+    (`row_clock`). It is removed after a run that finished, kept after one that failed."""
     workspace = ROW_WORKSPACES / profile / name
     with claimed(workspace), ExitStack() as running:
         fresh = not workspace.exists()
@@ -337,9 +340,12 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
                               f" (resumed: {clock.earlier / 60:.0f} min before)" if clock.earlier else "")
         try:
             not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
-        except Exception:  # a failed attempt: the study keeps its time with it (`keep_row`); a kill is no Exception
-            clock.recorded = True
-            raise
+        except Exception as error:  # a failed attempt, its workspace kept; a kill is no Exception
+            get_run_logger().error("%s: failed: %s", name, error, exc_info=True)
+            clock.recorded = True  # the attempt's record, returned with the flow run's state, holds its time
+            return Failed(message=str(error), data={FAILED_ATTEMPT: {
+                **run_record(name, overrides, profile, clock.seconds, workspace, earlier_seconds=clock.earlier),
+                "stage": getattr(error, "stage", None), "reason": getattr(error, "reason", str(error))}})
         record = run_record(name, overrides, profile, clock.seconds, workspace, not_scored,
                             earlier_seconds=clock.earlier)
         files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
@@ -385,7 +391,6 @@ def cancel_unstarted(name: str, profile: str) -> int:
         FlowRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
-    from prefect.states import Cancelled
 
     unstarted = FlowRunFilter(name=FlowRunFilterName(any_=[name]), state=FlowRunFilterState(
         type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING])))
@@ -409,14 +414,24 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
         while not (run := client.read_flow_run(UUID(flow_run_id))).state.is_final():
             time.sleep(5)
     if not run.state.is_completed():
-        seconds = run.total_run_time.total_seconds() if run.total_run_time else None
-        study.record_failure(results_folder(run_dir, name), {"run": name, "commit": run.parameters.get("commit"),
-                                                             "profile": run.parameters.get("profile"),
-                                                             "seconds": seconds, "stage": None,
-                                                             "reason": f"{run.state.name}: {run.state.message}"})
+        study.record_failure(results_folder(run_dir, name), failed_attempt(name, run))
         raise RuntimeError(f"{name}: its flow run {run.name} ended {run.state.name}: {run.state.message} (its log "
                            "is in the Prefect UI; the workspace is kept in the worker's .dvc/tmp/study_rows/)")
     study.keep_files(run_dir, run.state.result())
+
+
+def failed_attempt(name: str, run: Any) -> dict[str, Any]:
+    """The record of the row `name`'s flow run that did not complete: the one it failed with (`study_row_flow`),
+    else, for one that crashed or was cancelled, what its state says (its time: this flow run's only)."""
+    try:
+        returned = run.state.result(raise_on_failure=False) if run.state.is_failed() else None
+    except Exception:  # MissingResult: no result was persisted
+        returned = None
+    if isinstance(returned, dict) and FAILED_ATTEMPT in returned:
+        return returned[FAILED_ATTEMPT]
+    return {"run": name, "commit": run.parameters.get("commit"), "profile": run.parameters.get("profile"),
+            "seconds": run.total_run_time.total_seconds() if run.total_run_time else None, "stage": None,
+            "reason": f"{run.state.name}: {run.state.message}"}
 
 
 def seed_data(data_dir: str, results_dir: Path) -> None:

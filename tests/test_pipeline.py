@@ -515,14 +515,15 @@ class Killed(BaseException):
     """What a worker killed at a session's end sees: no Exception, so nothing records it as a failed attempt."""
 
 
-def killed_then_run_again(monkeypatch, name: str, commit: str, state: dict, stopped, goes_on, between) -> dict:
+def killed_then_run_again(monkeypatch, name: str, commit: str, state: dict, stopped, goes_on, between):
     """The row's flow run with `stopped(cwd)` as its DVC run (`run_row`, covered by the work-pool test), killed,
-    `between()`, then its next flow run with `goes_on(cwd)` as its run, which ends writing the row's metrics; the
-    files that one returns."""
+    `between()`, then its next flow run with `goes_on(cwd)` as its run, which ends writing the row's metrics; that
+    flow run's final state."""
     import flows.study as study_flows
 
     def row_flow():
-        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
+        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick",
+                                          return_state=True)
 
     def killed(row, overrides, target, measures_simulator, cwd):
         stopped(Path(cwd))
@@ -563,11 +564,41 @@ def test_a_work_pool_row_stopped_mid_run_goes_on_in_its_workspace(onboarded, mon
     def killed_workspace_kept():
         assert (workspace / "models" / "checkpoint-5").is_dir()
 
-    files = killed_then_run_again(monkeypatch, name, commit, state, stopped, goes_on, killed_workspace_kept)
+    files = killed_then_run_again(monkeypatch, name, commit, state, stopped, goes_on, killed_workspace_kept).result()
     record = json.loads(files["run.json"])
     assert files["evaluate_policies.json"] == '{"synthetic_grpo": {}}'
     assert record["commit"] == commit and record["seconds"] >= record["earlier_seconds"] >= 0.5
     assert not workspace.exists() and not (onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json").exists()
+
+
+def test_a_work_pool_row_that_fails_after_a_kill_is_kept_with_both_invocations_time_its_stage_and_why(
+        onboarded, monkeypatch, prefect_server):
+    """A row's flow run killed, then its next one failing in a stage: the study keeps the failed attempt (from the
+    flow run's state) with the time of both invocations, the stage and DVC's reason, as a row run here would be."""
+    import flows.study as study_flows
+    from components.results.study import read_failures
+    from components.results.workspace import working_state
+    from flows.pipeline import CommandFailed
+
+    commit = commit_project(onboarded, monkeypatch)
+    monkeypatch.chdir(onboarded)
+    name = "demo-kitchen/dreamgym-grpo-seed0"
+    run_dir = onboarded / "results" / name
+
+    def fails(cwd):
+        raise CommandFailed(["dvc", "exp", "run"], 1, "synthetic_rl", "over its failure budget")
+
+    final = killed_then_run_again(monkeypatch, name, commit, working_state(onboarded), lambda cwd: time.sleep(0.5),
+                                  fails, lambda: None)
+    assert final.is_failed()
+    with pytest.raises(RuntimeError, match="ended Failed"):
+        study_flows.keep_row.fn(name, str(final.state_details.flow_run_id), run_dir)
+    [attempt] = read_failures(onboarded / "results")[name]
+    assert (attempt["stage"], attempt["reason"], attempt["commit"]) == ("synthetic_rl", "over its failure budget",
+                                                                        commit)
+    assert attempt["seconds"] >= attempt["earlier_seconds"] >= 0.5  # the killed invocation's time counts
+    assert (onboarded / study_flows.ROW_WORKSPACES / "quick" / name).is_dir()  # kept: the next attempt goes on there
+    assert not (onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json").exists()  # its time is in the record
 
 
 def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_new_workspace_gets_them(tmp_path):
@@ -662,7 +693,7 @@ def test_a_parked_work_pool_row_goes_on_in_a_new_workspace_when_its_machine_is_g
         shutil.rmtree(onboarded / study_flows.ROW_CLOCKS)
 
     record = json.loads(killed_then_run_again(monkeypatch, name, commit, state, stopped, goes_on,
-                                              machine_gone)["run.json"])
+                                              machine_gone).result()["run.json"])
     assert record["seconds"] >= record["earlier_seconds"] >= 1.0
     assert not parked.exists()
 
