@@ -164,9 +164,11 @@ def test_a_budgeted_runs_progress_line_counts_the_iterations_its_mean_spending_l
     assert progress(replace(settings, transition_budget=None), 1, 6, 10.0) == ("1/100", "10s/iteration, ETA 990s")
 
 
-def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(policy_dir, tmp_path):
+def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(policy_dir, tmp_path, caplog):
     """The study's ablations share out_dir: a run on another simulator, or from a warm start retrained in place,
-    must start afresh, not finish from the previous run's checkpoint."""
+    must start afresh, not finish from the previous run's checkpoint, and says so (a row parked on one machine and
+    going on on another tells from its log whether it resumed)."""
+    import logging
     import shutil
 
     warm_start = Path(shutil.copytree(policy_dir, tmp_path / "warm-start"))
@@ -178,7 +180,9 @@ def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(poli
 
     assert train("simulator A").resumed_from is None
     assert train("simulator A").resumed_from  # the same run again: resumed
-    assert train("simulator B").resumed_from is None
+    with caplog.at_level(logging.INFO, logger="components.rl.loop"):
+        assert train("simulator B").resumed_from is None
+    assert "were for another warm start, environment or settings: starting over" in caplog.text
     build_tiny_causal_lm(["take knife", "cook meal"] * 20, save_dir=warm_start)  # retrained at the same path
     assert train("simulator B").resumed_from is None
 

@@ -408,7 +408,8 @@ def start_run(policy_model: str, curriculum: Curriculum, buffer: ReplayBuffer | 
                          f"{settings.transitions_per_iteration}: tasks_per_iteration x group_size x max_turns)")
     checkpoints = out_dir / "checkpoints"
     stamp = settings_fingerprint(settings, policy_model, curriculum, environment)
-    discard_unless_stamped(checkpoints, stamp, checkpoints / "fingerprint.txt")
+    if discard_unless_stamped(checkpoints, stamp, checkpoints / "fingerprint.txt"):
+        log.info("checkpoints in %s were for another warm start, environment or settings: starting over", checkpoints)
     resume = last_complete_checkpoint(checkpoints, with_buffer=buffer is not None, settings=settings)
     rows: list[dict[str, Any]] = []
     if resume is not None:
