@@ -236,9 +236,9 @@ def synthetic_environments(params: Params, root: Path, buffer: Any, names: list[
 def run_identity(*parts: Any) -> str:
     """Where an RL run's episodes come from, for its checkpoints' fingerprint: directories (the experience model,
     the buffer) by content, settings by value."""
-    from components.files import directory_sha256
+    from components.files import directory_identity
 
-    return json.dumps([directory_sha256(p) if isinstance(p, Path) and p.is_dir() else
+    return json.dumps([directory_identity(p) if isinstance(p, Path) and p.is_dir() else
                        p.model_dump() if hasattr(p, "model_dump") else p for p in parts], sort_keys=True, default=str)
 
 

@@ -72,6 +72,25 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# In a directory that a known recipe made (a merged model, a saved replay buffer): the fingerprint of that recipe.
+MADE_FROM = "made_from.txt"
+
+
+def write_made_from(directory: Path, recipe: str) -> None:
+    """Say in `directory` what made it (`directory_identity`)."""
+    atomic_write_text(directory / MADE_FROM, recipe + "\n")
+
+
+def directory_identity(path: str | Path) -> str:
+    """What a directory is, for the fingerprint of work made from it: the recipe its maker wrote in MADE_FROM, else its
+    content (`directory_sha256`). By recipe because a model merged, or a buffer embedded, on another CPU has other
+    bytes by float rounding, not other content: work parked on one machine must resume on the next."""
+    made_from = Path(path) / MADE_FROM
+    if made_from.is_file():
+        return f"made from {made_from.read_text(encoding='utf-8').strip()}"
+    return directory_sha256(path)
+
+
 def directory_sha256(path: str | Path) -> str:
     """The sha256 of a directory's content: every file's relative path and bytes (a model retrained in place is
     another model)."""

@@ -36,7 +36,7 @@ from components.data.contract import ON_POLICY, TRAJECTORIES, is_heldout_game, r
 from components.data.onboarding import onboard
 from components.data.validation import Limits
 from components.envs.registry import has_adapter
-from components.files import directory_sha256, discard_unless_stamped, fingerprint, sha256_file
+from components.files import directory_identity, discard_unless_stamped, fingerprint, sha256_file
 from components.reports import GAMES_FILE, line_plot, markdown_table, metrics_path, write_csv, write_stage_outputs
 from components.results.study import read_games, sign_test
 from stages import (
@@ -297,8 +297,8 @@ def _fingerprint(raw: dict[str, Any], inputs: dict[str, Path]) -> str:
     sections = {name: raw[name] for name in (
         "seed", "data", "models", "environments", "evaluate", "buffer", "annotate", "experience_model", "policy",
         "synthetic_rl", "sim_to_real", "correction")}
-    content = {key: directory_sha256(path / "model") if (path / "model").is_dir() else
-               sha256_file(path / TRAJECTORIES) if (path / TRAJECTORIES).is_file() else directory_sha256(path)
+    content = {key: directory_identity(path / "model") if (path / "model").is_dir() else
+               sha256_file(path / TRAJECTORIES) if (path / TRAJECTORIES).is_file() else directory_identity(path)
                for key, path in inputs.items()}
     return fingerprint([sections, content])
 

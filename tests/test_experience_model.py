@@ -761,6 +761,9 @@ def test_a_kept_training_is_restored_elsewhere_instead_of_trained_again(tiny: Pa
     assert (again.precision, again.hardware) == ("bf16", "cpu: the machine that trained it")  # not this one's
     assert {path.name: path.read_bytes() for path in again.model_dir.iterdir()} == \
         {path.name: path.read_bytes() for path in first.model_dir.iterdir()}
+    # the model says which training made it: on a machine that merges it with other rounding, it is the same model
+    assert (again.model_dir / "made_from.txt").read_text() == \
+        f"sft {(tmp_path / 'a' / 'exp' / 'checkpoints' / 'fingerprint.txt').read_text().strip()}\n"
 
     other = train_sft(dataset, str(tiny), tmp_path / "b" / "exp", replace(settings, learning_rate=1e-4),
                       cache_dir=tmp_path / "b", kept=elsewhere)

@@ -187,6 +187,38 @@ def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(poli
     assert train("simulator B").resumed_from is None
 
 
+def test_a_warm_start_merged_again_on_another_cpu_resumes_the_checkpoints_and_another_training_does_not(
+        policy_dir, tmp_path):
+    """A row parked on one machine goes on on another, where its warm start is merged again from the kept training:
+    other bytes by float rounding, the same training (`made_from.txt`). Its checkpoints resume there; a warm start
+    another training made does not resume them. The policy RL saves says which run and how many iterations made it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from components.files import write_made_from
+
+    warm_start = Path(shutil.copytree(policy_dir, tmp_path / "warm-start"))
+    write_made_from(warm_start, "sft training-a")
+    one = replace(SETTINGS, iterations=1)
+
+    def train():
+        return train_grpo(str(warm_start), Curriculum(TASKS, NO_CURRICULUM), _batch, None,
+                          POLICY_FORMAT, one, tmp_path / "rl", cache_dir=tmp_path, environment="simulator")
+
+    first = train()
+    assert first.resumed_from is None
+    stamp = (tmp_path / "rl" / "checkpoints" / "fingerprint.txt").read_text().strip()
+    assert (first.model_dir / "made_from.txt").read_text() == f"rl {stamp} after 1 iterations\n"
+    [weights] = warm_start.glob("*.safetensors")
+    save_file({name: tensor + 1e-7 * torch.sign(tensor) for name, tensor in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})  # merged on another CPU
+    assert train().resumed_from
+    write_made_from(warm_start, "sft training-b")
+    assert train().resumed_from is None
+
+
 def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_path):
     # min_variance 0: every played task may be varied, so the wiring is tested whatever the tiny policy earns
     settings = settings_from_params("curriculum", enabled=True, top_tasks=1, variations_per_task=1,

@@ -250,6 +250,27 @@ def test_embedded_save_stores_the_columns_in_order(tmp_path: Path):
         ("state", "string"), ("action", "string"), ("next_state", "string"), ("reward", "double"),
         ("done", "bool"), ("source", "string"), ("origin", "string")]
 
+def test_a_buffer_embedded_on_another_cpu_is_the_same_buffer_and_other_records_are_another(tmp_path: Path):
+    """Another CPU rounds the encoder's vectors otherwise (a saved index's bytes differ by about 1e-7): work made from
+    the buffer (an RL run's checkpoints) must still resume there, so its identity is its records, not its bytes."""
+    from components.files import directory_identity, directory_sha256
+
+    class OtherRounding(HashingEncoder):
+        def encode(self, texts: list[str]) -> np.ndarray:
+            vectors = super().encode(texts)
+            return vectors + np.float32(1e-7) * np.sign(vectors)
+
+    for name, encoder in (("here", HashingEncoder()), ("there", OtherRounding())):
+        buffer = open_replay_buffer("embedded", encoder, index=INDEX)
+        fill(buffer)
+        buffer.save(tmp_path / name)
+    assert directory_sha256(tmp_path / "here") != directory_sha256(tmp_path / "there")
+    assert directory_identity(tmp_path / "here") == directory_identity(tmp_path / "there")
+    buffer.add(list(transitions(trajectory("tw-3", "textworld", [("a hall", "go north")]))), "real")
+    buffer.save(tmp_path / "more")
+    assert directory_identity(tmp_path / "more") != directory_identity(tmp_path / "there")
+
+
 def test_embedded_load_refuses_another_encoder(tmp_path: Path):
     buffer = open_replay_buffer("embedded", HashingEncoder(), index=INDEX)
     fill(buffer)

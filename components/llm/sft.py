@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from components import distributed
-from components.files import atomic_directory, discard_unless_stamped
+from components.files import atomic_directory, discard_unless_stamped, write_made_from
 
 if TYPE_CHECKING:  # heavy imports happen inside the functions that need them
     from datasets import Dataset
@@ -218,7 +218,7 @@ def train_sft(
         # after one (a finished 6-step run came back with 7). The checkpoint is the trained model.
         log.info("%s finished the run: nothing left to train", resume)
         trained, tokenizer = load_trained_model(resume)
-        model_dir = _save_model(trained, tokenizer, output_dir, settings)
+        model_dir = _save_model(trained, tokenizer, output_dir, settings, fingerprint)
         _keep(kept, checkpoints, fingerprint, base_model, base_path, settings)
         precision, machine = _trained_on(resume) or (resolve_precision(settings.precision), hardware())
         return TrainingResult(model_dir, state["global_step"], len(dataset), too_long, *_losses(state["log_history"]),
@@ -269,7 +269,7 @@ def train_sft(
     if resume:
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
-    model_dir = _save_model(trainer.model, tokenizer, output_dir, settings)
+    model_dir = _save_model(trainer.model, tokenizer, output_dir, settings, fingerprint)
     _keep(kept, checkpoints, fingerprint, base_model, base_path, settings)
     return TrainingResult(model_dir, trainer.state.global_step, len(dataset), too_long,
                           *_losses(trainer.state.log_history), resume, progress.seconds(),
@@ -371,8 +371,9 @@ def _losses(log_history: list[dict[str, Any]]) -> tuple[float | None, float | No
 
 
 def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path,
-                settings: TrainingSettings) -> Path:
-    """The trained model at output_dir/model, written by the main process (the others wait until it is there)."""
+                settings: TrainingSettings, fingerprint: str) -> Path:
+    """The trained model at output_dir/model, saying the training's `fingerprint` made it (`directory_identity`),
+    written by the main process (the others wait until it is there)."""
     model_dir = output_dir / "model"
     if distributed.is_main_process():
         if settings.lora is not None and settings.merge_lora:
@@ -380,6 +381,7 @@ def _save_model(trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ou
         tmp = output_dir / ".model.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         save_for_inference(trained, tokenizer, tmp)
+        write_made_from(tmp, f"sft {fingerprint}")
         shutil.rmtree(model_dir, ignore_errors=True)
         tmp.rename(model_dir)  # a half-written model never sits at model_dir
     distributed.wait_for_everyone()

@@ -31,10 +31,11 @@ from components.files import (
     atomic_directory,
     atomic_write_text,
     checkpoint_number,
-    directory_sha256,
+    directory_identity,
     discard_unless_stamped,
     fingerprint,
     numbered_checkpoints,
+    write_made_from,
 )
 from components.llm.backends import stream_seed
 from components.llm.sft import LoraSettings, save_for_inference
@@ -322,10 +323,12 @@ def read_iteration_log(model_dir: str | Path) -> list[dict[str, Any]] | None:
 def save_trained_policy(model: Any, tokenizer: Any, out_dir: Path, log: list[dict[str, Any]]) -> Path:
     """The trained policy (LoRA merged) at out_dir/model, replacing any earlier one atomically, with its iteration
     log beside it: whoever evaluates the model later can say what it was trained on, wherever it was moved."""
-    model_dir = out_dir / "model"
+    model_dir, stamp = out_dir / "model", out_dir / "checkpoints" / "fingerprint.txt"  # the run's (`start_run`)
     with atomic_directory(model_dir, replace=True) as tmp:
         save_for_inference(model, tokenizer, tmp)
         write_iteration_log(tmp, log)
+        if stamp.is_file():
+            write_made_from(tmp, f"rl {stamp.read_text(encoding='utf-8').strip()} after {len(log)} iterations")
     return model_dir
 
 
@@ -390,7 +393,7 @@ def settings_fingerprint(settings: RLSettings, policy_model: str, curriculum: Cu
     """
     what_an_iteration_does = {key: value for key, value in asdict(settings).items()
                               if key not in ("iterations", "transition_budget", "save_every", "save_total_limit")}
-    warm_start = directory_sha256(policy_model) if Path(policy_model).is_dir() else policy_model
+    warm_start = directory_identity(policy_model) if Path(policy_model).is_dir() else policy_model
     return fingerprint([what_an_iteration_does, warm_start, environment, [t.task_id for t in curriculum.base_tasks],
                         asdict(curriculum.settings), curriculum.clusters])
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from components.data.contract import Task, Trajectory
 from components.envs.base import Environment, Observation, Policy
-from components.files import directory_sha256
+from components.files import directory_identity
 from components.llm.backends import ConversationBackend, HFGenerationBackend, Message, random_stream, stream_seed
 from components.simulator.experience_model import clip
 
@@ -169,4 +169,4 @@ def factory_identity(model_dir: str | Path, fmt: PolicyFormat, max_action_tokens
                      seed: int | None = None) -> str:
     """What makes `policy_factory`'s policy of the model saved in `model_dir` play as it does (the model by content):
     `evaluate_policy`'s `policy_identity`, so a journal of its games is resumed only by the same policy."""
-    return json.dumps([directory_sha256(model_dir), asdict(fmt), max_action_tokens, temperature, seed])
+    return json.dumps([directory_identity(model_dir), asdict(fmt), max_action_tokens, temperature, seed])

@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from components.data.contract import TaskRef, Transition, is_heldout_game
-from components.files import atomic_directory
+from components.files import atomic_directory, fingerprint, write_made_from
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -563,6 +563,8 @@ class FaissReplayBuffer(ReplayBuffer):
             approximate = {"approximate": dict(sorted(self._trained.items()))} if self._trained else {}
             _write_manifest(tmp, self.backend, encoder=self.encoder.name, dimension=self._dimension,
                             count=len(self._records), indexes=files, **approximate)
+            # the vectors are the encoder's of the records' texts: the records and the manifest are what it holds
+            write_made_from(tmp, fingerprint("embedded buffer", [tmp / "metadata.parquet", tmp / "buffer.json"]))
         return target
 
     @classmethod
