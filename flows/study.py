@@ -138,6 +138,7 @@ def park_row(name: str, profile: str, workspace: Path, parked: Path, params: Par
     try:
         copied = park(outputs.resume_state(params, workspace), workspace, parked / PARKED_FILES)
         if (clock := ROW_CLOCKS / profile / f"{name}.json").is_file():
+            parked.mkdir(parents=True, exist_ok=True)  # a row with no resume state yet has a clock to park
             shutil.copy2(clock, parked / PARKED_CLOCK)
     except OSError as error:  # a file gone mid-copy; the workspace removed as the row ended
         log.warning("%s: parking its resume state in %s failed this time (%s); the next pass tries again", name,
