@@ -48,12 +48,12 @@ def test_only_the_main_process_writes_outputs_and_models(tmp_path):
         if rank == 1:
             write_stage_outputs("probe", {{"written_by": rank}}, "rank 1", root)
             distributed.wait_for_everyone()
-            _save_model(model, tokenizer, root / "out", settings)  # returns once rank 0 has saved
+            _save_model(model, tokenizer, root / "out", settings, "a training")  # returns once rank 0 has saved
         else:
             distributed.wait_for_everyone()  # rank 1 has been through write_stage_outputs
             seen = {{"metrics": (root / "metrics" / "probe.json").exists(), "model": (root / "out").exists()}}
             write_stage_outputs("probe", {{"written_by": rank}}, "rank 0", root)
-            _save_model(model, tokenizer, root / "out", settings)
+            _save_model(model, tokenizer, root / "out", settings, "a training")
             (root / "seen_by_rank_0.json").write_text(json.dumps(seen))
     """))
     done = subprocess.run([*TORCHRUN, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -62,6 +62,8 @@ def test_only_the_main_process_writes_outputs_and_models(tmp_path):
     assert json.loads((tmp_path / "metrics" / "probe.json").read_text()) == {"written_by": 0}
     assert (tmp_path / "reports" / "probe.md").read_text() == "rank 0"
     assert (tmp_path / "out" / "model" / "config.json").is_file() and not (tmp_path / "out" / ".model.partial").exists()
+    assert (tmp_path / "out" / "model" / "made_from.txt").read_text() == "sft a training\n"  # by the main process
+    assert (tmp_path / "out" / "model" / "made_from.txt").read_text() == "sft a training\n"
 
 
 @pytest.mark.slow  # two trainings and a torchrun start: about a minute
