@@ -621,6 +621,25 @@ def test_sign_test_is_exact_and_two_sided():
     assert sign_test(5, 1) == 2 * 7 / 64 and sign_test(2, 2) == sign_test(0, 0) == 1.0
 
 
+def test_pair_games_pairs_two_runs_policies_and_names_what_a_run_lacks(tmp_path, capsys, monkeypatch):
+    """research/pair_games.py: any two runs' policies over the games both played, with the sign test the verdicts
+    use; a policy a run did not play is an error naming the ones it did."""
+    from research import pair_games
+    for name in ("a-seed1", "b-seed1"):
+        (tmp_path / name).mkdir()
+    _games(tmp_path / "a-seed1", "sim-to-real", set(range(8)))
+    _games(tmp_path / "b-seed1", "sim-to-real", {0, 1}, played=10)  # g10, g11 only A played: left out
+    monkeypatch.setattr("sys.argv", ["pair_games.py", "a-seed1", "sim-to-real", "b-seed1", "sim-to-real",
+                                     "--results", str(tmp_path)])
+    pair_games.main()
+    assert capsys.readouterr().out.startswith("10 games both played; A (a-seed1 sim-to-real) won 8, B (b-seed1 "
+                                              "sim-to-real) 2; A alone 6, B alone 0; sign test p = 0.031")
+    monkeypatch.setattr("sys.argv", ["pair_games.py", "a-seed1", "synthetic_grpo", "b-seed1", "sim-to-real",
+                                     "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"a-seed1: no games of policy 'synthetic_grpo'; it kept \['sim-to-real'\]"):
+        pair_games.main()
+
+
 def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
     """8/12 against 2/12 overlaps as intervals, but when the second's two wins are among the first's eight, the six
     games only the first won are a difference (p = 2/64); a run that kept no games falls back to the intervals."""
