@@ -14,7 +14,9 @@ sim-to-real once, in the last round (DreamGym-S2R's shape at its budget): the ea
 RL policy and their on-policy data is the replay audit's alone.
 
 A finished round is kept (its `round.json`) and a rerun goes on from the next; a round cut short resumes its
-unfinished steps (each keeps its own checkpoints). Rounds made under other settings or inputs are discarded.
+unfinished steps (each keeps its own checkpoints). Rounds made under other settings or inputs are discarded. On
+another machine a round goes on from what `resume_state` parked: its finished steps' metrics and its checkpoints,
+the models made again from those.
 
 Under a launcher every process runs the rounds: the rank-aware steps (synthetic_rl, sim_to_real, evaluate_policies,
 train_experience_model, evaluate_experience_model) on all of them, the others (the replay audit, onboarding, annotate,
@@ -84,16 +86,23 @@ def run(params: Params, root: str | Path = ".") -> dict[str, Any]:
         with distributed.main_process_first():
             if main and discard_unless_stamped(round_dir, f"{stamp} round {number}", round_dir / "STAMP"):
                 log.info("round %d: discarded work of other settings or inputs", number)
-        finished = round_dir / ROUND_FILE
-        if finished.is_file():
-            row = json.loads(finished.read_text(encoding="utf-8"))
+        finished, handed_on = round_dir / ROUND_FILE, after_round(current, round_dir, settings.feedback,
+                                                                  round_policy(params, number))
+        kept = json.loads(finished.read_text(encoding="utf-8")) if finished.is_file() else None
+        if kept is not None and _models_here(handed_on):
+            row = kept
             say(f"[correction_rounds] round {number}/{settings.rounds}: finished before, kept")
         else:
+            if kept is not None:
+                say(f"[correction_rounds] round {number}/{settings.rounds}: finished before (parked), its models made "
+                    "again from its checkpoints and kept trainings")
             row = play_round(params, root, round_dir, number, current, rows)
-            if main:
+            if kept is not None:
+                row = kept  # the round as it was played, not the remaking of its models
+            elif main:
                 finished.write_text(json.dumps(row, indent=1), encoding="utf-8")
             distributed.wait_for_everyone()
-        current = after_round(current, round_dir, settings.feedback, round_policy(params, number))
+        current = handed_on
         rows.append(row)
         elapsed = time.monotonic() - started
         say(f"[correction_rounds] round {number}/{settings.rounds} done: {row['real_transitions_total']} real "
@@ -173,11 +182,13 @@ def play_round(params: Params, root: Path, round_dir: Path, number: int, current
                                   else min(settings.heldout_games, params.policy.eval_tasks)})
     say(f"[correction_rounds] round {number}/{settings.rounds}: synthetic RL from {current['policy']} with the "
         f"experience model of {current['experience']}")
-    synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir), everywhere=True)
-    real = (_step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir), everywhere=True)
+    synthetic = _step(round_dir, "synthetic_rl", lambda: synthetic_rl.run(playing, round_dir), everywhere=True,
+                      output=round_dir / "synthetic_rl" / "model")
+    real = (_step(round_dir, "sim_to_real", lambda: sim_to_real.run(playing, round_dir), everywhere=True,
+                  output=round_dir / "sim_to_real" / "model")
             if policy_stage == "sim_to_real" else {"real_transitions_used": 0})
     evaluated = _step(round_dir, "evaluate_policies", lambda: evaluate_policies.run(playing, round_dir),
-                      everywhere=True)
+                      everywhere=True, output=round_dir / GAMES_FILE)
     audit, replays = replay_audit(playing, round_dir)
 
     # On-policy data: sim-to-real's episodes and the replays of synthetic episodes, all on training tasks
@@ -232,6 +243,27 @@ def replay_audit(params: Params, round_dir: Path) -> tuple[dict[str, Any], list]
     return json.loads(kept.read_text(encoding="utf-8")), read_trajectories(replayed)
 
 
+def _models_here(handed_on: dict[str, Path]) -> bool:
+    """Whether the policy and the experience model a round hands on are on this machine: a parked round (`resume_state`)
+    brings their checkpoints and kept trainings, not the merged models."""
+    return all((handed_on[key] / "model").is_dir() for key in ("policy", "experience"))
+
+
+def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
+    """What the rounds under `root` keep that the row goes on from on another machine (`stages.outputs.resume_state`):
+    each round's stamp, its row once finished, the replay audit and its replays (real games: never played twice), its
+    steps' metrics (a finished step is not run again, but for one whose outputs are missing: that step resumes its
+    checkpoints or restores its kept training), the held-out games it played, and its checkpoints and journals. Not
+    the merged models (hundreds of MB a round), nor what onboarding and re-indexing make again in seconds."""
+    from stages.outputs import journal_folders
+
+    trained = ["synthetic_rl", "synthetic_rl/curriculum_writer", "sim_to_real", CORRECTED["experience"]]
+    kept = ["STAMP", ROUND_FILE, "replay_audit.json", "replays.jsonl", "metrics", GAMES_FILE]
+    return [path for round_dir in sorted((Path(root) / params.correction.out_dir / "rounds").glob("round_*"))
+            for path in [round_dir / name for name in kept] + [round_dir / out / "checkpoints" for out in trained]
+            + journal_folders(round_dir)]
+
+
 def after_round(current: dict[str, Path], round_dir: Path, feedback: bool, policy_stage: str) -> dict[str, Path]:
     """What the next round reads: this round's policy (of `policy_stage`), and with feedback its corrected data,
     buffer and model."""
@@ -258,10 +290,12 @@ def correct(params: Params, root: Path, round_dir: Path, current: dict[str, Path
     corrected = overridden(params, {
         **_reading(root, params, {**current, **outputs}), "models.experience": str(current["experience"] / "model"),
         "experience_model.training.max_steps": params.correction.training_steps})
-    for stage in (annotate, index_buffer, train_experience_model):
+    made = {annotate: outputs["annotated"], index_buffer: outputs["buffer"],
+            train_experience_model: outputs["experience"] / "model"}
+    for stage, output in made.items():
         name = stage.__name__.rsplit(".", 1)[-1]
         _step(round_dir, name, lambda stage=stage: stage.run(corrected, round_dir),
-              everywhere=name in RANK_AWARE_STAGES)
+              everywhere=name in RANK_AWARE_STAGES, output=output)
     return quarantined
 
 
@@ -271,12 +305,14 @@ def _reading(root: Path, params: Params, paths: dict[str, Path]) -> dict[str, st
             **{READ_FROM[key]: str(path) for key, path in paths.items()}}
 
 
-def _step(round_dir: Path, stage: str, work, everywhere: bool) -> dict[str, Any]:
+def _step(round_dir: Path, stage: str, work, everywhere: bool, output: Path | None = None) -> dict[str, Any]:
     """A stage's metrics in the round, read back from its file: `work` runs it unless it finished before (a resumed
-    round). Under a launcher `work` runs on every process (`everywhere`: a rank-aware stage) or on the main one, and
-    every process reads the metrics once all are done."""
+    round) and its `output` is here (a parked round on another machine has the metrics, not the models: the stage
+    runs again, from its checkpoints or kept training). Under a launcher `work` runs on every process (`everywhere`:
+    a rank-aware stage) or on the main one, and every process reads the metrics once all are done."""
     done = metrics_path(stage, round_dir)
-    if not distributed.broadcast(done.is_file()):  # the main process's answer: it may write it before another asks
+    # the main process's answer: it may write the metrics before another asks
+    if not distributed.broadcast(done.is_file() and (output is None or output.exists())):
         if everywhere:
             work()
         elif distributed.is_main_process():

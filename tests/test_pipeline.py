@@ -1065,6 +1065,25 @@ def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_ro
     again = run("dreamgym", "stage", "correction_rounds", cwd=project)  # finished rounds are kept, not replayed
     assert again.stdout.count("finished before, kept") == 2
 
+    # another machine: the rounds as parked (their metrics, games, replays, checkpoints; no merged model), and the
+    # rerun makes their models again from their checkpoints, playing no real game again
+    from components.config import load_params
+    from components.results.workspace import park, unpark
+    from stages.outputs import resume_state
+
+    parked = project.parent / "parked"
+    park(resume_state(load_params(project / "params.yaml"), project), project, parked, settled=0)
+    assert not list(parked.rglob("model")) and (parked / "models/correction/rounds/round_2/round.json").is_file()
+    shutil.rmtree(project / "models" / "correction")
+    unpark(parked, project)
+    remade = run("dreamgym", "stage", "correction_rounds", cwd=project)
+    assert remade.stdout.count("finished before (parked), its models made again") == 2
+    assert "resuming from" in remade.stdout + remade.stderr
+    with (project / "metrics" / "correction_rounds.csv").open() as handle:
+        assert list(csv.DictReader(handle)) == rows  # each round's row as it was played, minutes too
+    assert (rounds / "round_2" / "sim_to_real" / "model" / "config.json").is_file()
+    assert (project / "models" / "correction" / "experience_model" / "config.json").is_file()
+
     # other settings: the rounds are made again, uncorrected, the replay audit within 3 real transitions a round
     set_params(project, {"correction.feedback": False, "correction.replay_transitions": 3})
     run("dreamgym", "stage", "correction_rounds", cwd=project)

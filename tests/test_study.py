@@ -85,10 +85,13 @@ def test_budgets_follow_the_variant():
 def test_a_correction_run_spends_dreamgym_s2rs_budget_on_sim_to_real_after_its_last_round_and_the_rest_on_feedback():
     correction = {v.name: v for v in variants()}["s2r-correction"]
     overrides = run_overrides(correction, 2, 336, 0.1, correction_rounds=3, sim_to_real_iteration=28, max_turns=1)
-    # the pipeline stages before the rounds are the DreamGym run's of the seed (DVC's run cache restores them)
+    # the pipeline stages before the rounds have the DreamGym run's params (its warm start and experience model); the
+    # pipeline's own synthetic RL, sim-to-real and held-out evaluation do not run (the rounds run their own)
     dreamgym = run_overrides({v.name: v for v in variants()}["dreamgym-grpo"], 2, 336, 0.1)
     del dreamgym["evaluate.policies"]  # a param of the held-out games alone, which the rounds play their own way
     assert {key: overrides[key] for key in dreamgym} == dreamgym
+    assert overrides["evaluate.policies"] == ["train_policy_sft"]
+    assert stages_not_needed(overrides, correction.target) == ("evaluate_policies", "sim_to_real", "synthetic_rl")
     assert overrides["correction.feedback"] is True and correction.target == "correction_rounds"
     # 33 real transitions: one sim-to-real iteration (28) after the last round, 5 left: 1 a round
     assert overrides["correction.sim_to_real"] == "last_round"
@@ -387,7 +390,8 @@ def test_a_row_from_synthetic_rl_keeps_its_simulators_fidelity_and_the_report_sh
     assert {v.name: stages_not_needed(run_overrides(v, 0, 700, 0.1, 3, 28, "miniwob"), v.target)
             for v in variants(("grpo",))} == {
         "sft-only": ("sim_to_real", *real), "dreamgym-grpo": (), "real-grpo": real, "real-grpo-s2r-budget": real,
-        "no-curriculum": (), "no-retrieval": (), "no-reasoning": (), "s2r-correction": ()}
+        "no-curriculum": (), "no-retrieval": (), "no-reasoning": (),
+        "s2r-correction": ("evaluate_policies", "sim_to_real", "synthetic_rl")}  # its rounds run their own
     real_row = run_overrides(variants(("grpo",))[2], 0, 700, 0.1)
     assert stages_not_needed({**real_row, "policy.environments": ["miniwob", "webshop"]}, "evaluate_policies") == \
         ("synthetic_rl",)  # a seed-only domain's held-out games are played inside the experience model
@@ -455,8 +459,14 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
         {"rounds": 3, "real_transitions": 31, "synthetic_transitions": 270}))
     results = tmp_path / "results"
 
-    keep_run(results / "s2r-correction-seed0", {"run": "s2r-correction-seed0"}, tmp_path, evaluated_in=last_round)
+    # the pipeline's own synthetic RL, sim-to-real and evaluation did not run: their files at the root are another run's
+    (tmp_path / "metrics" / "synthetic_rl.json").write_text(json.dumps({"synthetic_transitions": 999}))
+    keep_run(results / "s2r-correction-seed0", {"run": "s2r-correction-seed0"}, tmp_path, evaluated_in=last_round,
+             not_needed=("evaluate_policies", "sim_to_real", "synthetic_rl"))
 
+    kept = results / "s2r-correction-seed0"
+    assert json.loads((kept / "synthetic_rl.json").read_text()) == {"synthetic_transitions": 90}  # the last round's
+    assert json.loads((kept / "sim_to_real.json").read_text()) == {"real_transitions_used": 6}
     [run] = finished_runs(results, ("grpo",))
     assert run.games[("sim-to-real", tw)] == {"g0": True, "g1": True, "g2": True, "g3": False}
     metrics, _ = aggregate([run])

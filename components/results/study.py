@@ -67,10 +67,10 @@ class Variant:
     def policies(self) -> list[str]:
         """The policies its run evaluates (evaluate.policies, by training stage): its rows' only, as each held-out
         evaluation costs minutes on a CPU (the warm start is played once per seed, in its own run). Correction rounds
-        evaluate their own policies; their run's pipeline stages are the DreamGym run's of the same seed, which DVC
-        then restores from its run cache instead of running them again."""
+        evaluate their own policies, and their run's pipeline plays none (`stages_not_needed`): the warm start, named
+        here, is another run's of the seed too."""
         if self.target == "correction_rounds":
-            return ["sim_to_real", "synthetic_rl", "train_policy_sft"]
+            return ["train_policy_sft"]
         stages = {WARM_START_LABEL: "train_policy_sft", "sim-to-real": "sim_to_real"}
         return sorted({stages.get(label, "synthetic_rl") for label in self.rows})
 
@@ -166,9 +166,13 @@ def stages_not_needed(overrides: dict[str, Any], target: str) -> tuple[str, ...]
     depend on their outputs: for a real-environment row (sim-to-real from the warm start, no synthetic-RL policy
     evaluated), synthetic RL, and sim-to-real too where its policy is not evaluated (the warm start's row), and,
     where every environment it plays has a real adapter (none is a seed-only domain, whose held-out games are played
-    inside the experience model), the experience model's training. flows.study leaves them out and stands in for
-    their outputs while the row runs."""
+    inside the experience model), the experience model's training; for a correction row, the pipeline's synthetic
+    RL, sim-to-real and held-out evaluation, since its rounds run their own from the warm start (on a new machine a
+    finished evaluation would play its games again). flows.study leaves them out and stands in for their outputs
+    while the row runs."""
     policies = overrides.get("evaluate.policies", ["synthetic_rl"])
+    if target == "correction_rounds":
+        return ("evaluate_policies", "sim_to_real", "synthetic_rl")
     if target != "evaluate_policies" or overrides.get("sim_to_real.start_from") != "sft" or "synthetic_rl" in policies:
         return ()
     skipped = ("synthetic_rl",) if "sim_to_real" in policies else ("sim_to_real", "synthetic_rl")
@@ -329,12 +333,14 @@ def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None, si
     policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too),
     and `root`'s UPSTREAM_FILES, and SIMULATOR_FILE when the run scored its experience model (`simulator`: the file
     left by another run would not be this run's); none of the stages it did not run (`not_needed`:
-    `stages_not_needed`), whose files there are another run's."""
+    `stages_not_needed`) at `root`, whose files there are another run's (a correction run's rounds ran their own)."""
+    root_metrics = Path(root) / "metrics"
     sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
-    sources += [Path(root) / "metrics" / name for name in (*UPSTREAM_FILES, *[SIMULATOR_FILE] * simulator)]
-    sources += [Path(root) / "metrics" / CORRECTION_FILE] if evaluated_in is not None else []
+    sources += [root_metrics / name for name in (*UPSTREAM_FILES, *[SIMULATOR_FILE] * simulator)]
+    sources += [root_metrics / CORRECTION_FILE] if evaluated_in is not None else []
+    not_run = {f"{stage}{suffix}" for stage in not_needed for suffix in (".json", "_iterations.csv")}
     return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()
-            and not any(source.name in (f"{stage}.json", f"{stage}_iterations.csv") for stage in not_needed)}
+            and not (source.parent == root_metrics and source.name in not_run)}
 
 
 def keep_files(run_dir: str | Path, files: dict[str, str]) -> Path:
