@@ -1126,8 +1126,9 @@ def test_correction_rounds_refuse_a_round_budget_that_pays_for_no_sim_to_real_it
 @pytest.mark.slow  # a DreamGym run and a correction run of the study on real TextWorld games, ~10 minutes here
 def test_results_study_runs_the_correction_row_at_dreamgym_s2rs_budget(project, monkeypatch, prefect_server,
                                                                          tiny_model_dir):
-    """The study's s2r-correction variant: a `dvc exp run ... correction_rounds` whose pipeline stages DVC restores
-    from the DreamGym run of its seed, kept from its last round, and paired with DreamGym-S2R in its claim."""
+    """The study's s2r-correction variant: the stages up to correction_rounds without the pipeline's synthetic RL,
+    sim-to-real and evaluation (its rounds run their own), kept from its last round, and paired with DreamGym-S2R in
+    its claim."""
     from flows.study import results_study_flow
 
     set_params(project, {**SMALL_RUN, **tiny_experience_model(tiny_model_dir, "textworld-cooking"),
