@@ -1081,6 +1081,8 @@ def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_ro
     assert "resuming from" in remade.stdout + remade.stderr
     with (project / "metrics" / "correction_rounds.csv").open() as handle:
         assert list(csv.DictReader(handle)) == rows  # each round's row as it was played, minutes too
+    # and the same summary: every round's on-policy trajectories, the final policy's games against the warm start
+    assert json.loads((project / "metrics" / "correction_rounds.json").read_text()) == metrics
     assert (rounds / "round_2" / "sim_to_real" / "model" / "config.json").is_file()
     assert (project / "models" / "correction" / "experience_model" / "config.json").is_file()
 
