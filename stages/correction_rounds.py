@@ -255,13 +255,11 @@ def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
     steps' metrics (a finished step is not run again, but for one whose outputs are missing: that step resumes its
     checkpoints or restores its kept training), the held-out games it played, and its checkpoints and journals. Not
     the merged models (hundreds of MB a round), nor what onboarding and re-indexing make again in seconds."""
-    from stages.outputs import journal_folders
-
     trained = ["synthetic_rl", "synthetic_rl/curriculum_writer", "sim_to_real", CORRECTED["experience"]]
     kept = ["STAMP", ROUND_FILE, "replay_audit.json", "replays.jsonl", "metrics", GAMES_FILE]
     return [path for round_dir in sorted((Path(root) / params.correction.out_dir / "rounds").glob("round_*"))
             for path in [round_dir / name for name in kept] + [round_dir / out / "checkpoints" for out in trained]
-            + journal_folders(round_dir)]
+            + [round_dir / stage.JOURNALS for stage in (evaluate_policies, evaluate_experience_model)]]
 
 
 def after_round(current: dict[str, Path], round_dir: Path, feedback: bool, policy_stage: str) -> dict[str, Path]:

@@ -95,22 +95,16 @@ def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
     the trainings' and RL runs' checkpoints, the evaluations' journals of the games played so far, and a correction
     row's rounds' (`correction_rounds.resume_state`). A training kept in models.kept_trainings is left out (the kept
     one restores it)."""
-    from stages import correction_rounds
+    from stages import correction_rounds, evaluate_baselines, evaluate_experience_model, evaluate_policies
 
     root = Path(root)
     kept = root / params.models.kept_trainings if params.models.kept_trainings else None
     checkpoints = [root / out_dir / "checkpoints" for out_dir in (
         params.experience_model.out_dir, params.policy.sft.out_dir, params.synthetic_rl.out_dir,
         f"{params.synthetic_rl.out_dir}/curriculum_writer", params.sim_to_real.out_dir)]
-    return [path for path in checkpoints + journal_folders(root) + correction_rounds.resume_state(params, root)
+    journals = [root / stage.JOURNALS for stage in (evaluate_policies, evaluate_experience_model, evaluate_baselines)]
+    return [path for path in checkpoints + journals + correction_rounds.resume_state(params, root)
             if path.exists() and not _kept_training(path, kept)]
-
-
-def journal_folders(root: str | Path) -> list[Path]:
-    """The evaluations' journals under a stage root: the games played so far, which a rerun resumes."""
-    from stages import evaluate_baselines, evaluate_experience_model, evaluate_policies
-
-    return [Path(root) / stage.JOURNALS for stage in (evaluate_policies, evaluate_experience_model, evaluate_baselines)]
 
 
 def _kept_training(checkpoints: Path, kept: Path | None) -> bool:
