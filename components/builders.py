@@ -251,6 +251,9 @@ def curriculum_settings(params: Params, enabled: bool | None = None):
     return CurriculumSettings(**settings if enabled is None else {**settings, "enabled": enabled})
 
 
+WRITER_DIR = "curriculum_writer"  # under synthetic_rl.out_dir: the curriculum writer's teaching
+
+
 def curriculum_writer(params: Params, root: Path, tasks: list) -> str:
     """The model that writes the curriculum's variations: the experience model's backbone (models.experience, the
     base model: the fine-tuned one only answers in the simulation format), first taught its role by SFT on
@@ -273,7 +276,7 @@ def curriculum_writer(params: Params, root: Path, tasks: list) -> str:
 
     try:
         result = sft.train_sft(Dataset.from_list(variation_examples(pairs, settings.max_state_chars)),
-                               params.models.experience, root / params.synthetic_rl.out_dir / "curriculum_writer",
+                               params.models.experience, root / params.synthetic_rl.out_dir / WRITER_DIR,
                                training_settings(settings.writer_training, params.seed),
                                cache_dir=root / params.models.cache_dir, kept=kept_trainings(params, root))
     except ValueError as error:  # no pair fits: say which knobs make them fit

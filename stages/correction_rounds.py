@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from components import distributed
+from components.builders import WRITER_DIR
 from components.config import Params, get_dotted, overridden
 from components.data.contract import ON_POLICY, TRAJECTORIES, is_heldout_game, read_trajectories, write_trajectories
 from components.data.onboarding import onboard
@@ -255,7 +256,7 @@ def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
     steps' metrics (a finished step is not run again, but for one whose outputs are missing: that step resumes its
     checkpoints or restores its kept training), the held-out games it played, and its checkpoints and journals. Not
     the merged models (hundreds of MB a round), nor what onboarding and re-indexing make again in seconds."""
-    trained = ["synthetic_rl", "synthetic_rl/curriculum_writer", "sim_to_real", CORRECTED["experience"]]
+    trained = ["synthetic_rl", f"synthetic_rl/{WRITER_DIR}", "sim_to_real", CORRECTED["experience"]]
     kept = ["STAMP", ROUND_FILE, "replay_audit.json", "replays.jsonl", "metrics", GAMES_FILE]
     return [path for round_dir in sorted((Path(root) / params.correction.out_dir / "rounds").glob("round_*"))
             for path in [round_dir / name for name in kept] + [round_dir / out / "checkpoints" for out in trained]

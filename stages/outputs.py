@@ -95,13 +95,14 @@ def resume_state(params: Params, root: str | Path = ".") -> list[Path]:
     the trainings' and RL runs' checkpoints, the evaluations' journals of the games played so far, and a correction
     row's rounds' (`correction_rounds.resume_state`). A training kept in models.kept_trainings is left out (the kept
     one restores it)."""
+    from components.builders import WRITER_DIR
     from stages import correction_rounds, evaluate_baselines, evaluate_experience_model, evaluate_policies
 
     root = Path(root)
     kept = root / params.models.kept_trainings if params.models.kept_trainings else None
     checkpoints = [root / out_dir / "checkpoints" for out_dir in (
         params.experience_model.out_dir, params.policy.sft.out_dir, params.synthetic_rl.out_dir,
-        f"{params.synthetic_rl.out_dir}/curriculum_writer", params.sim_to_real.out_dir)]
+        f"{params.synthetic_rl.out_dir}/{WRITER_DIR}", params.sim_to_real.out_dir)]
     journals = [root / stage.JOURNALS for stage in (evaluate_policies, evaluate_experience_model, evaluate_baselines)]
     return [path for path in checkpoints + journals + correction_rounds.resume_state(params, root)
             if path.exists() and not _kept_training(path, kept)]

@@ -170,9 +170,9 @@ def stages_not_needed(overrides: dict[str, Any], target: str) -> tuple[str, ...]
     RL, sim-to-real and held-out evaluation, since its rounds run their own from the warm start (on a new machine a
     finished evaluation would play its games again). flows.study leaves them out and stands in for their outputs
     while the row runs."""
-    policies = overrides.get("evaluate.policies", ["synthetic_rl"])
     if target == "correction_rounds":
         return ("evaluate_policies", "sim_to_real", "synthetic_rl")
+    policies = overrides.get("evaluate.policies", ["synthetic_rl"])
     if target != "evaluate_policies" or overrides.get("sim_to_real.start_from") != "sft" or "synthetic_rl" in policies:
         return ()
     skipped = ("synthetic_rl",) if "sim_to_real" in policies else ("sim_to_real", "synthetic_rl")
