@@ -57,7 +57,7 @@ def experience_sft_data(params: Params, root: Path) -> tuple[list, Any]:
     fmt = prompt_format(params)
     buffer = saved_buffer(params, root) if fmt.use_retrieval else None
     return annotated, sft_examples(annotated, buffer, fmt, settings.outcome_repeats, settings.lookalike_repeats,
-                                   settings.policy_repeats, settings.refusal_repeats)
+                                   settings.policy_share, settings.refusal_repeats)
 
 
 def policy_trajectories(params: Params, root: Path, heldout: bool) -> list[Trajectory]:

@@ -249,9 +249,10 @@ class ExperienceModelParams(Section):
     outcome_repeats: int = Field(ge=1, description="rewarded or terminal training transitions appear this many times")
     lookalike_repeats: int = Field(
         ge=1, description="unrewarded training steps of a command rewarded elsewhere appear this many times")
-    policy_repeats: int = Field(
-        ge=1, description="transitions a policy made in the real environment (source: policy) appear this many "
-                          "times more (on-policy data's weight)")
+    policy_share: float = Field(
+        ge=0, lt=1, description="share of the SFT examples that transitions a policy made in the real environment "
+                                "(source: policy) make up: each is repeated, whole times, until they come near it "
+                                "(0: weighed as any seed step)")
     refusal_repeats: int = Field(ge=1, description="training steps whose command the environment refused appear this "
                                  "many times")
     verdict_weight: float = Field(
@@ -394,8 +395,8 @@ class CorrectionParams(Section):
     replay_transitions: int | None = Field(ge=0, description="real transitions the replay audit may spend per round, "
                                            "replaying synthetic wins first; null: every synthetic episode")
     training_steps: int = Field(gt=0, description="optimizer steps of the experience model's continued training per "
-                                "round, on the seed and every on-policy transition so far (weight: "
-                                "experience_model.policy_repeats)")
+                                "round, on the seed and every on-policy transition so far (their share of the "
+                                "examples: experience_model.policy_share)")
     heldout_games: int = Field(gt=0, description="held-out games per environment each round's policies play (the "
                                "first of the evaluation split); the last round's play all policy.eval_tasks")
     onboard_into_seed: bool = Field(description="the pipeline flow ends by onboarding the rounds' on-policy "

@@ -368,8 +368,8 @@ def report(params: Params, rows: list[dict[str, Any]], paired: dict[str, dict[st
             + "the replay audit (synthetic episodes replayed in the real games, their transitions counted on top), "
             "then "
             + (f"the round's on-policy trajectories onboarded beside the seed, the buffer re-indexed and the "
-               f"experience model trained {settings.training_steps} more steps (on-policy data weighted "
-               f"{params.experience_model.policy_repeats}x). " if settings.feedback else
+               f"experience model trained {settings.training_steps} more steps (on-policy data repeated to about "
+               f"{params.experience_model.policy_share:.0%} of its examples). " if settings.feedback else
                "nothing fed back (`correction.feedback: false`: DreamGym-S2R at the same real budget). ")
             + "On-policy fidelity: the experience model the next round uses, on the current policy's play ("
               + ("greedy" if not params.experience_model.on_policy_temperature else

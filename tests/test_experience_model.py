@@ -52,6 +52,7 @@ from components.simulator.experience_model import (
     build_messages,
     format_target,
     parse_prediction,
+    policy_repeats,
     predict,
     sft_examples,
 )
@@ -439,13 +440,26 @@ def test_sft_examples_repeat_rewarded_and_terminal_transitions():
     dataset = sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=3, lookalike_repeats=1)
     assert [row["step_index"] for row in dataset] == [0, 1, 2, 2, 2]  # only "eat meal" is rewarded and terminal
     on_policy = annotate([replace(_trajectory("tw-2"), source="policy")])
+    unweighted = sft_examples(records + on_policy, None, fmt(use_retrieval=False), outcome_repeats=3,
+                              lookalike_repeats=1)
+    assert [(row["trajectory_id"], row["step_index"]) for row in unweighted][5:] == \
+        [("tw-2", 0), ("tw-2", 1)] + [("tw-2", 2)] * 3
+    # 5 on-policy examples beside 5 of the seed: a share of 2/3 repeats each twice (10 of 15)
     weighted = sft_examples(records + on_policy, None, fmt(use_retrieval=False), outcome_repeats=3,
-                            lookalike_repeats=1, policy_repeats=2)
+                            lookalike_repeats=1, policy_share=2 / 3)
     assert [(row["trajectory_id"], row["step_index"]) for row in weighted][5:] == \
         [("tw-2", 0)] * 2 + [("tw-2", 1)] * 2 + [("tw-2", 2)] * 6
     assert "eat meal" not in dataset[4]["prompt"][1]["content"].split("Current state")[0]  # history not repeated
     with pytest.raises(ValueError, match="outcome_repeats"):
         sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=0, lookalike_repeats=1)
+
+
+def test_policy_repeats_bring_on_policy_examples_near_their_share():
+    # the cpu correction row's first round: 18 on-policy examples beside 2,353 of the seed
+    repeats = policy_repeats(18, 2353, 0.25)
+    assert repeats == 44 and abs(18 * repeats / (18 * repeats + 2353) - 0.25) < 0.01
+    assert policy_repeats(0, 2353, 0.25) == policy_repeats(18, 2353, 0.0) == 1  # none to repeat, or no share
+    assert policy_repeats(900, 100, 0.25) == 1  # already past the share: never fewer than once
 
 
 def test_sft_examples_repeat_lookalikes_of_a_rewarded_command():

@@ -243,7 +243,7 @@ def sft_examples(
     fmt: PromptFormat,
     outcome_repeats: int,
     lookalike_repeats: int,
-    policy_repeats: int = 1,
+    policy_share: float = 0.0,
     refusal_repeats: int = 1,
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
@@ -251,8 +251,10 @@ def sft_examples(
     Rewarded or terminal transitions appear `outcome_repeats` times. Why: outcomes are rare in seed data (2-3% of
     TextWorld steps), and a model trained on the plain mix learns "reward 0, not done" everywhere, so synthetic RL
     never sees a success.
-    Transitions a policy made in the real environment (`source: policy`: onboarded on-policy data) are repeated
-    `policy_repeats` times on top: they show the states a policy reaches, which the seed rarely does.
+    Transitions a policy made in the real environment (`source: policy`: onboarded on-policy data) are repeated on
+    top, whole times, until they make up about `policy_share` of the examples (`policy_repeats`). Why: they show the
+    states a policy reaches, which the seed rarely does, and a few dozen of them beside thousands of seed steps are
+    hardly drawn in a short continued training (reports/results_study_findings.md, the correction row).
     Look-alikes (`contract.is_lookalike`: unrewarded steps of a command rewarded elsewhere, `eat meal` with no meal)
     appear `lookalike_repeats` times. Why: repeating only the rewarded `eat meal` teaches "eat meal wins" whatever the
     state (reports/research/experience_model/on_policy/).
@@ -267,9 +269,11 @@ def sft_examples(
     """
     from datasets import Dataset
 
-    if min(outcome_repeats, lookalike_repeats, policy_repeats, refusal_repeats) < 1:
-        raise ValueError(f"outcome_repeats, lookalike_repeats, policy_repeats and refusal_repeats must be >= 1, got "
-                         f"{outcome_repeats}, {lookalike_repeats}, {policy_repeats}, {refusal_repeats}")
+    if min(outcome_repeats, lookalike_repeats, refusal_repeats) < 1:
+        raise ValueError(f"outcome_repeats, lookalike_repeats and refusal_repeats must be >= 1, got "
+                         f"{outcome_repeats}, {lookalike_repeats}, {refusal_repeats}")
+    if not 0 <= policy_share < 1:
+        raise ValueError(f"policy_share must be in [0, 1), got {policy_share}")
     rewarded = rewarded_commands(annotated)
     by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
     for record in annotated:
@@ -281,7 +285,7 @@ def sft_examples(
     if fmt.use_retrieval and buffer is not None:
         examples = buffer.retrieve_examples(
             [(r.task.environment, r.state, r.action, r.trajectory_id) for r in annotated], fmt.top_k)
-    rows = []
+    rows, on_policy = [], []
     for record, found in zip(annotated, examples, strict=True):
         earlier = [s for s in by_trajectory[record.trajectory_id] if s.step_index < record.step_index]
         history = [(s.state, s.action) for s in earlier][-fmt.history_length:] if fmt.history_length > 0 else []
@@ -298,8 +302,19 @@ def sft_examples(
         repeats = (outcome_repeats if is_outcome(record.reward, record.done)
                    else lookalike_repeats if is_lookalike(record, rewarded)
                    else refusal_repeats if is_refused(record) else 1)
-        rows.extend([row] * (repeats * (policy_repeats if record.source == "policy" else 1)))
-    return Dataset.from_list(rows)
+        rows.extend([row] * repeats)
+        on_policy.extend([record.source == "policy"] * repeats)
+    repeats = policy_repeats(sum(on_policy), len(rows) - sum(on_policy), policy_share)
+    return Dataset.from_list([row for row, own in zip(rows, on_policy, strict=True)
+                              for _ in range(repeats if own else 1)])
+
+
+def policy_repeats(on_policy: int, others: int, share: float) -> int:
+    """How many times each on-policy example appears so that they make up about `share` of all examples (at least
+    once: 1 where there are none, or `share` is 0 or already reached)."""
+    if not on_policy or not share:
+        return 1
+    return max(1, round(share * others / ((1 - share) * on_policy)))
 
 
 # ---- prediction with retries and fallback ---------------------------------------------------------------------
