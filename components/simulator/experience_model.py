@@ -304,9 +304,9 @@ def sft_examples(
                    else refusal_repeats if is_refused(record) else 1)
         rows.extend([row] * repeats)
         on_policy.extend([record.source == "policy"] * repeats)
-    repeats = policy_repeats(sum(on_policy), len(rows) - sum(on_policy), policy_share)
+    own_repeats = policy_repeats(sum(on_policy), len(rows) - sum(on_policy), policy_share)
     return Dataset.from_list([row for row, own in zip(rows, on_policy, strict=True)
-                              for _ in range(repeats if own else 1)])
+                              for _ in range(own_repeats if own else 1)])
 
 
 def policy_repeats(on_policy: int, others: int, share: float) -> int:
