@@ -8,7 +8,7 @@ our_pid() {
     [ -f "$file" ] || return 1
     pid=$(<"$file")
     case $pid in '' | *[!0-9]*) return 1 ;; esac
-    cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+    cmdline=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1  # 2> first: it also quiets the redirection's own error
     [[ "$cmdline " == *"$(cmdline_tag "$1")"* ]] || return 1
     echo "$pid"
 }
