@@ -130,8 +130,9 @@ def rl_settings(params: Params):
 
 def curve_probe(params: Params):
     """The RL stages' learning curve (`loop.CurveProbe`): held-out success every evaluate.curve_every iterations on
-    the first evaluate.curve_games held-out games of each policy environment with a real adapter, played greedily;
-    None when curve_every is 0 or no environment has an adapter."""
+    the first evaluate.curve_games held-out games of each policy environment with a real adapter, played greedily,
+    its progress logged (on a CPU the games take many minutes); None when curve_every is 0 or no environment has an
+    adapter."""
     from components.envs.registry import has_adapter, real_environment
     from components.results.evaluation import evaluate_policy
     from components.rl.loop import CurveProbe
@@ -149,7 +150,7 @@ def curve_probe(params: Params):
         results = [evaluate_policy(real_environment(name), params.environments, tasks[name],
                                    policy_factory(model, tokenizer, fmt, params.policy.max_action_tokens),
                                    workers=settings.workers, confidence=settings.confidence, name="curve",
-                                   progress=None, max_steps=params.policy.max_turns) for name in environments]
+                                   progress=log.info, max_steps=params.policy.max_turns) for name in environments]
         return sum(r.successes for r in results) / max(1, sum(r.episodes for r in results))
 
     return CurveProbe(settings.curve_every, measure)

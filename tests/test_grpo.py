@@ -3,6 +3,7 @@ experience model (tests/scripted_backend.py), a real faiss buffer."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,7 +169,6 @@ def test_checkpoints_of_another_environment_or_warm_start_are_never_resumed(poli
     """The study's ablations share out_dir: a run on another simulator, or from a warm start retrained in place,
     must start afresh, not finish from the previous run's checkpoint, and says so (a row parked on one machine and
     going on on another tells from its log whether it resumed)."""
-    import logging
     import shutil
 
     warm_start = Path(shutil.copytree(policy_dir, tmp_path / "warm-start"))
@@ -244,7 +244,8 @@ def test_grpo_plays_the_curriculum_tasks_and_resumes_its_state(policy_dir, tmp_p
     assert [t.task_id for t in curriculum.generated] == [t["task_id"] for t in state["generated"]]
 
 
-def test_a_learning_curve_measures_heldout_success_in_real_games_and_changes_no_training(policy_dir, tmp_path):
+def test_a_learning_curve_measures_heldout_success_in_real_games_and_changes_no_training(policy_dir, tmp_path,
+                                                                                        caplog):
     repo = Path(__file__).resolve().parents[1]
     params = overridden(repo_params(), {"environments.textworld.cache_dir": str(repo / ".cache" / "textworld"),
                                         "policy.environments": [ENV], "policy.max_turns": 2,
@@ -253,14 +254,17 @@ def test_a_learning_curve_measures_heldout_success_in_real_games_and_changes_no_
     settings = replace(SETTINGS, iterations=3)
     plain = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None, POLICY_FORMAT, settings,
                        tmp_path / "plain", cache_dir=tmp_path)
-    measured = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None, POLICY_FORMAT, settings,
-                          tmp_path / "curve", cache_dir=tmp_path, curve=curve)
+    with caplog.at_level(logging.INFO, logger="components.builders"):
+        measured = train_grpo(str(policy_dir), Curriculum(TASKS, NO_CURRICULUM), _batch, None, POLICY_FORMAT,
+                              settings, tmp_path / "curve", cache_dir=tmp_path, curve=curve)
 
     assert all("heldout_success" not in row for row in plain.log)
     # every curve_every iterations and after the last: held-out success of greedy play on 2 real games, and its time
     assert [("heldout_success" in row, "curve_s" in row) for row in measured.log] == [(False, False), (True, True),
                                                                                        (True, True)]
     assert all(row["heldout_success"] in (0.0, 0.5, 1.0) and row["curve_s"] > 0 for row in measured.log[1:])
+    # its games show their progress (on a CPU a curve point takes many minutes)
+    assert f"[evaluate {ENV} / curve] 2/2 episodes" in caplog.text
     # it only measures: the same episodes were played and the same updates made
     def played(out: Path) -> list:
         return [(t.task.task_id, [step.action for step in t.steps]) for t in kept_episodes(out)]
