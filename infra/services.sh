@@ -8,7 +8,8 @@ our_pid() {
     [ -f "$file" ] || return 1
     pid=$(<"$file")
     case $pid in '' | *[!0-9]*) return 1 ;; esac
-    cmdline=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1  # 2> first: it also quiets the redirection's own error
+    # 2> before <: it also quiets the redirection's own error when the process is gone
+    cmdline=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
     [[ "$cmdline " == *"$(cmdline_tag "$1")"* ]] || return 1
     echo "$pid"
 }
