@@ -21,7 +21,8 @@ TEST_WORKERS ?= 2
 # (SIGILL at libggml-cpu's tilezero, seen on a Firecracker guest); int8 matmuls then run on AVX512-VNNI or AVX2.
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF "-DCMAKE_C_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
   "-DCMAKE_CXX_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist worksteal -m "not slow and not gpu and not external"
+# --durations: the slowest tests, printed at the end, say where the suite's time goes
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist worksteal -m "not slow and not gpu and not external" --durations=25
 
 .PHONY: run test setup system lock clean
 run: setup

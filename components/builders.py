@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from components.config import Params, TrainingParams
-from components.data.contract import TRAJECTORIES, Trajectory, is_heldout_task, read_trajectories
+from components.data.contract import ON_POLICY, TRAJECTORIES, Trajectory, is_heldout_task, read_trajectories
 from components.llm import backends
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,9 @@ def experience_trajectories(params: Params, root: Path) -> list[Trajectory]:
 
 def experience_sft_data(params: Params, root: Path) -> tuple[list, Any]:
     """What train_experience_model trains on: the annotated transitions of the experience model's training tasks and
-    the SFT examples made of them (`experience_model.sft_examples`; None when there is no transition)."""
+    the SFT examples made of them (`experience_model.sft_examples`; None when there is no transition). The data
+    directory's `on_policy.jsonl`, where correction rounds keep the policy's real play they fed back, names the
+    trajectories weighed by `experience_model.policy_share`."""
     from components.simulator.annotation import read_annotated
     from components.simulator.experience_model import sft_examples
 
@@ -56,8 +58,10 @@ def experience_sft_data(params: Params, root: Path) -> tuple[list, Any]:
         return annotated, None
     fmt = prompt_format(params)
     buffer = saved_buffer(params, root) if fmt.use_retrieval else None
+    fed_back_path = root / params.data.dir / ON_POLICY
+    fed_back = {t.trajectory_id for t in read_trajectories(fed_back_path)} if fed_back_path.is_file() else set()
     return annotated, sft_examples(annotated, buffer, fmt, settings.outcome_repeats, settings.lookalike_repeats,
-                                   settings.policy_share, settings.refusal_repeats)
+                                   settings.policy_share, settings.refusal_repeats, fed_back)
 
 
 def policy_trajectories(params: Params, root: Path, heldout: bool) -> list[Trajectory]:

@@ -250,9 +250,9 @@ class ExperienceModelParams(Section):
     lookalike_repeats: int = Field(
         ge=1, description="unrewarded training steps of a command rewarded elsewhere appear this many times")
     policy_share: float = Field(
-        ge=0, lt=1, description="share of the SFT examples that transitions a policy made in the real environment "
-                                "(source: policy) make up: each is repeated, whole times, until they come near it "
-                                "(0: weighed as any seed step)")
+        ge=0, lt=1, description="share of the SFT examples that the policy's real play fed back by correction rounds "
+                                "(the data directory's on_policy.jsonl) makes up: each of its transitions is "
+                                "repeated, whole times, until they come near it (0: weighed as any seed step)")
     refusal_repeats: int = Field(ge=1, description="training steps whose command the environment refused appear this "
                                  "many times")
     verdict_weight: float = Field(

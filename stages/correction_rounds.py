@@ -279,9 +279,12 @@ def correct(params: Params, root: Path, round_dir: Path, current: dict[str, Path
         if distributed.is_main_process() and not onboarded.is_file():
             shutil.rmtree(data_dir, ignore_errors=True)
             data_dir.mkdir(parents=True)
-            shutil.copyfile(current["data"] / TRAJECTORIES, data_dir / TRAJECTORIES)
+            for name in (TRAJECTORIES, ON_POLICY):  # the seed, and the earlier rounds' feedback
+                if (current["data"] / name).is_file():
+                    shutil.copyfile(current["data"] / name, data_dir / name)
             with distributed.alone():
-                result = onboard([round_dir / ON_POLICY], data_dir, Limits.of(params.data), version=False)
+                result = onboard([round_dir / ON_POLICY], data_dir, Limits.of(params.data), version=False,
+                                 fed_back=True)
             print(f"[correction_rounds] {result.summary()}")
             onboarded.write_text(json.dumps({"quarantined": len(result.rejected)}), encoding="utf-8")
     quarantined = json.loads(onboarded.read_text(encoding="utf-8"))["quarantined"]

@@ -51,7 +51,7 @@ def onboard_on_policy(params: Params, root: str | Path = ".") -> OnboardingResul
     path = root / params.correction.out_dir / ON_POLICY
     if not path.is_file() or not path.read_text(encoding="utf-8").strip():
         return None
-    return onboard([path], root / params.data.dir, Limits.of(params.data))
+    return onboard([path], root / params.data.dir, Limits.of(params.data), fed_back=True)
 
 
 def declared_outputs(stage: str, root: str | Path = ".") -> list[str]:

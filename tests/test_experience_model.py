@@ -444,11 +444,16 @@ def test_sft_examples_repeat_rewarded_and_terminal_transitions():
                               lookalike_repeats=1)
     assert [(row["trajectory_id"], row["step_index"]) for row in unweighted][5:] == \
         [("tw-2", 0), ("tw-2", 1)] + [("tw-2", 2)] * 3
-    # 5 on-policy examples beside 5 of the seed: a share of 2/3 repeats each twice (10 of 15)
+    # 5 fed-back examples beside 5 of the seed: a share of 2/3 repeats each twice (10 of 15)
     weighted = sft_examples(records + on_policy, None, fmt(use_retrieval=False), outcome_repeats=3,
-                            lookalike_repeats=1, policy_share=2 / 3)
+                            lookalike_repeats=1, policy_share=2 / 3, fed_back=["tw-2"])
     assert [(row["trajectory_id"], row["step_index"]) for row in weighted][5:] == \
         [("tw-2", 0)] * 2 + [("tw-2", 1)] * 2 + [("tw-2", 2)] * 6
+    # the seed's own `source: policy` play (collect_seed's scripted player) is a seed step: weighing it put the cpu
+    # correction row's share out of reach, so its feedback was repeated once (session 57)
+    seed_play = sft_examples(records + on_policy, None, fmt(use_retrieval=False), outcome_repeats=3,
+                             lookalike_repeats=1, policy_share=2 / 3)
+    assert list(seed_play["trajectory_id"]) == list(unweighted["trajectory_id"])
     assert "eat meal" not in dataset[4]["prompt"][1]["content"].split("Current state")[0]  # history not repeated
     with pytest.raises(ValueError, match="outcome_repeats"):
         sft_examples(records, None, fmt(use_retrieval=False), outcome_repeats=0, lookalike_repeats=1)

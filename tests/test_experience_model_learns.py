@@ -23,8 +23,10 @@ from components.simulator.experience_model import (
 )
 from tests.conftest import settings_from_params
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].package) is None,
-                                reason=PACKAGED_MODELS["smollm2-135m-instruct"].install)
+# slow: about 6 min beside a study row, the default suite's longest after the correction test (session 59's note)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].package) is None,
+                                 reason=PACKAGED_MODELS["smollm2-135m-instruct"].install)]
 
 # params' reply format (reasoning first); no buffer needed
 FORMAT = settings_from_params("prompt", use_reasoning=True, use_retrieval=False)

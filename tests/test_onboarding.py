@@ -189,3 +189,9 @@ def test_the_correction_rounds_on_policy_data_is_onboarded_beside_the_seed_for_t
     stored = {r["trajectory_id"]: r["source"] for r in read_records(tmp_path / "data" / "trajectories.jsonl")}
     assert stored == {mine["trajectory_id"]: mine["source"], "s2r-0": "policy"}
     assert [q["record"]["trajectory_id"] for q in read_records(tmp_path / "data" / "quarantine.jsonl")] == ["s2r-1"]
+    # only the accepted feedback is listed as the policy's play, which the experience model's training weighs
+    # (experience_model.policy_share); the user's own records stay seed steps whatever their source
+    assert [r["trajectory_id"] for r in read_records(tmp_path / "data" / "on_policy.jsonl")] == ["s2r-0"]
+    write_jsonl([played(2, 8)], tmp_path / params.correction.out_dir / "on_policy.jsonl")
+    onboard_on_policy(params, root=tmp_path)
+    assert [r["trajectory_id"] for r in read_records(tmp_path / "data" / "on_policy.jsonl")] == ["s2r-0", "s2r-2"]

@@ -4,6 +4,8 @@ The data directory holds the canonical seed set:
   trajectories.jsonl  every accepted trajectory, sorted by id (deterministic bytes: same input, same DVC hash)
   tasks.jsonl         the distinct tasks of those trajectories
   quarantine.jsonl    every rejected record, as given, with the reasons and where it came from
+  on_policy.jsonl     of those trajectories, the ones a trained policy played in the real environment and that were
+                      fed back (`fed_back=True`): the experience model's training weighs them (policy_share)
 Nothing the user gave is dropped, truncated or altered: a record is either stored whole or quarantined whole.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.data.contract import QUARANTINE, TASKS, TRAJECTORIES, read_records, write_records
+from components.data.contract import ON_POLICY, QUARANTINE, TASKS, TRAJECTORIES, read_records, write_records
 from components.data.validation import Limits, Rejected, read_raw_records, validate_records
 from components.files import atomic_write_text
 
@@ -64,13 +66,15 @@ class OnboardingResult:
 
 
 def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, version: bool = True,
-            replace: bool = False, supersedes: Collection[str] = ()) -> OnboardingResult:
+            replace: bool = False, supersedes: Collection[str] = (), fed_back: bool = False) -> OnboardingResult:
     """Validate `paths`, merge accepted trajectories into `data_dir`, quarantine the rest, `dvc add` the dir.
 
     A record whose id is already stored with other content is quarantined, unless `replace` (the pipeline's own
     re-collection of a task, which supersedes the earlier episode). `supersedes`: the ids of stored records the
     input replaces as a whole (the pipeline's earlier collection): those it no longer holds are removed, so data/
-    follows the collection's params instead of keeping the union of every collection. Raises `UnusableInput`
+    follows the collection's params instead of keeping the union of every collection. `fed_back`: the input is a
+    trained policy's real play (correction rounds), so its accepted trajectories are listed in on_policy.jsonl too,
+    apart from any `source: policy` record of the seed. Raises `UnusableInput`
     before writing anything when a file is missing or not JSONL/Parquet.
     """
     data_dir = Path(data_dir)
@@ -95,6 +99,10 @@ def onboard(paths: list[str | Path], data_dir: str | Path, limits: Limits, versi
     write_records(ordered, data_dir / TRAJECTORIES)
     write_records(_distinct_tasks(ordered), data_dir / TASKS)
     _append_quarantine(data_dir / QUARANTINE, report.rejected)
+    if fed_back:
+        kept = {r["trajectory_id"]: r for r in _read_if_exists(data_dir / ON_POLICY)}
+        kept.update((t.trajectory_id, stored[t.trajectory_id]) for _, t in report.accepted)
+        write_records([kept[key] for key in sorted(kept)], data_dir / ON_POLICY)
 
     result = OnboardingResult(data_dir, [str(p) for p in paths], len(records), added,
                               len(report.accepted) - added - replaced, replaced, len(stale), report.rejected)

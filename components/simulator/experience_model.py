@@ -42,7 +42,7 @@ import logging
 import math
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -245,16 +245,19 @@ def sft_examples(
     lookalike_repeats: int,
     policy_share: float = 0.0,
     refusal_repeats: int = 1,
+    fed_back: Collection[str] = (),
 ) -> Dataset:
     """Conversational prompt/completion pairs for TRL's SFTTrainer (loss on the completion only).
 
     Rewarded or terminal transitions appear `outcome_repeats` times. Why: outcomes are rare in seed data (2-3% of
     TextWorld steps), and a model trained on the plain mix learns "reward 0, not done" everywhere, so synthetic RL
     never sees a success.
-    Transitions a policy made in the real environment (`source: policy`: onboarded on-policy data) are repeated on
-    top, whole times, until they make up about `policy_share` of the examples (`policy_repeats`). Why: they show the
-    states a policy reaches, which the seed rarely does, and a few dozen of them beside thousands of seed steps are
-    hardly drawn in a short continued training (reports/results_study_findings.md, the correction row).
+    Transitions of the trajectories in `fed_back` (a trained policy's real play, fed back by correction rounds) are
+    repeated on top, whole times, until they make up about `policy_share` of the examples (`policy_repeats`). Why:
+    they show the states the policy reaches, which the seed rarely does, and a few dozen of them beside thousands of
+    seed steps are hardly drawn in a short continued training (reports/results_study_findings.md, the correction
+    row). Not every `source: policy` record: the seed's own scripted play has that source too, and counted, it put
+    the share past reach so nothing was repeated (session 57's note).
     Look-alikes (`contract.is_lookalike`: unrewarded steps of a command rewarded elsewhere, `eat meal` with no meal)
     appear `lookalike_repeats` times. Why: repeating only the rewarded `eat meal` teaches "eat meal wins" whatever the
     state (reports/research/experience_model/on_policy/).
@@ -274,7 +277,7 @@ def sft_examples(
                          f"{outcome_repeats}, {lookalike_repeats}, {refusal_repeats}")
     if not 0 <= policy_share < 1:
         raise ValueError(f"policy_share must be in [0, 1), got {policy_share}")
-    rewarded = rewarded_commands(annotated)
+    rewarded, fed_back = rewarded_commands(annotated), set(fed_back)
     by_trajectory: dict[str, list[AnnotatedTransition]] = defaultdict(list)
     for record in annotated:
         by_trajectory[record.trajectory_id].append(record)
@@ -303,7 +306,7 @@ def sft_examples(
                    else lookalike_repeats if is_lookalike(record, rewarded)
                    else refusal_repeats if is_refused(record) else 1)
         rows.extend([row] * repeats)
-        on_policy.extend([record.source == "policy"] * repeats)
+        on_policy.extend([record.trajectory_id in fed_back] * repeats)
     own_repeats = policy_repeats(sum(on_policy), len(rows) - sum(on_policy), policy_share)
     return Dataset.from_list([row for row, own in zip(rows, on_policy, strict=True)
                               for _ in range(own_repeats if own else 1)])
