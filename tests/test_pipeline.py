@@ -1049,6 +1049,10 @@ def test_correction_rounds_feed_the_policys_real_transitions_back_round_after_ro
         assert int(row["quarantined"]) == 0  # training tasks only: nothing of a held-out game
         corrected = read_trajectories(rounds / f"round_{number}" / "data" / "trajectories.jsonl")
         assert {t.trajectory_id for t in played} <= {t.trajectory_id for t in corrected}  # onboarded beside the seed
+        # every round's feedback so far, and not the seed's own `source: policy` play, is what training weighs
+        fed_back = read_trajectories(rounds / f"round_{number}" / "data" / "on_policy.jsonl")
+        so_far = [read_trajectories(rounds / f"round_{n}" / "on_policy.jsonl") for n in range(1, number + 1)]
+        assert {t.trajectory_id for t in fed_back} == {t.trajectory_id for kept in so_far for t in kept}
         trained = json.loads((rounds / f"round_{number}" / "metrics" / "train_experience_model.json").read_text())
         assert trained["global_step"] == 1
         fidelity = json.loads((rounds / f"round_{number}" / "metrics" / "evaluate_experience_model.json").read_text())
