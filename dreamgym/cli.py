@@ -398,7 +398,8 @@ def _park(params, profile: str) -> int:
         copied = park_row(name, profile, workspace, parked, params)
         held = sum(f.stat().st_size for f in parked.rglob("*") if f.is_file())
         print(f"{name}: parked in {parked} ({copied / 2**20:.1f} MB copied now, {held / 2**20:.1f} MB held); "
-              "commit it: a new workspace of the row on another machine goes on from it")
+              "commit it once, as the machine goes (each commit of it adds its size to what is pushed): a new "
+              "workspace of the row on another machine goes on from it")
     return EXIT_OK
 
 
