@@ -23,7 +23,7 @@ from components.simulator.experience_model import (
 )
 from tests.conftest import settings_from_params
 
-# slow: about 6 min beside a study row, the default suite's longest after the correction test (session 59's note)
+# slow: it fine-tunes and runs the real packaged backbone, minutes on 2 cores (`make test PYTEST_ARGS="-m slow"`)
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].package) is None,
                                  reason=PACKAGED_MODELS["smollm2-135m-instruct"].install)]
