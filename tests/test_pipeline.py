@@ -603,8 +603,9 @@ def test_a_work_pool_row_that_fails_after_a_kill_is_kept_with_both_invocations_t
 
 def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_new_workspace_gets_them(tmp_path):
     """`park` mirrors resume state in a folder that outlives the machine: of the checkpoints only the newest settled
-    one (a checkpoint still being written is not copied), pruned ones go, journals follow; `unpark` puts it back
-    into a new workspace. `resume_state` leaves out a training the kept trainings hold."""
+    one (a checkpoint still being written is not copied; a trainer's last one without its optimizer), pruned ones
+    go, journals follow; `unpark` puts it back into a new workspace. `resume_state` leaves out a training the kept
+    trainings hold."""
     from components.config import load_params
     from components.results.workspace import park, unpark
     from stages.outputs import resume_state
@@ -651,8 +652,22 @@ def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_n
                     "models/policy/rl/checkpoints/checkpoint-3/adapter.safetensors",
                     "models/policy/rl/checkpoints/fingerprint.txt"]
 
+    # a trainer's last checkpoint (sim-to-real stopped at its budget) is parked without the optimizer's state
+    s2r = workspace / "models" / "policy" / "s2r" / "checkpoints" / "checkpoint-4"
+    s2r.mkdir(parents=True)
+    control = {"TrainerControl": {"args": {"should_training_stop": True}}}
+    (s2r / "trainer_state.json").write_text(json.dumps(
+        {"global_step": 4, "max_steps": 10, "stateful_callbacks": control}))
+    for name in ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        (s2r / name).write_text(name)
+        os.utime(s2r / name, (long_ago, long_ago))
+    os.utime(s2r / "trainer_state.json", (long_ago, long_ago))
+    park(resume_state(params, workspace), workspace, parked)
+    assert sorted(p.name for p in (parked / s2r.relative_to(workspace)).iterdir()) == [
+        "adapter_model.safetensors", "trainer_state.json"]
+
     fresh = tmp_path / "another machine"
-    assert unpark(parked, fresh) == 3
+    assert unpark(parked, fresh) == 5
     assert (fresh / "models/policy/rl/checkpoints/checkpoint-3/adapter.safetensors").read_text() == "weights 3"
     assert (fresh / ".cache/evaluate_policies/synthetic_grpo.jsonl").read_text() == '{"game": 1}\n{"game": 2}\n'
 

@@ -10,6 +10,7 @@ several machines, the cache is one directory they all mount (`dvc cache dir`), a
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from components.config import load_params, write_params
 from components.files import atomic_directory, numbered_checkpoints
+from components.llm.sft import TRAINING_STATE
 
 # What DVC needs of the project's working state, beside the commit's code
 WORKING_STATE = ("params.yaml", "data.dvc", "dvc.lock")
@@ -74,7 +76,8 @@ def park(paths: Iterable[Path], root: str | Path, parked: str | Path, settled: f
 
     Of a checkpoints folder's `checkpoint-N` folders only the newest that is settled (no file changed for `settled`
     seconds) is parked, whole, replacing the one parked before: a checkpoint copied mid-save would be the newest and
-    broken.
+    broken. A trainer's last checkpoint (`finished_training`) is parked without what only continuing needs
+    (TRAINING_STATE: the optimizer, most of its size), which the trainer does without on resuming.
     Other files (journals, stamps) are copied when their size or time changed; what the workspace no longer holds
     goes from `parked`. Returns the bytes copied."""
     root, parked, copied = Path(root), Path(parked), 0
@@ -84,9 +87,11 @@ def park(paths: Iterable[Path], root: str | Path, parked: str | Path, settled: f
         if newest := _newest_settled(checkpoints, settled):
             wanted.add(newest.relative_to(root))
             if not (target := parked / newest.relative_to(root)).is_dir():
+                left_out = shutil.ignore_patterns(*(f"{name}*" for name in TRAINING_STATE)) \
+                    if finished_training(newest) else None
                 with atomic_directory(target) as partial:
-                    shutil.copytree(newest, partial, dirs_exist_ok=True)
-                copied += sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+                    shutil.copytree(newest, partial, dirs_exist_ok=True, ignore=left_out)
+                copied += sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
         for source in files:
             if any(checkpoint in source.parents for checkpoint in checkpoints):
@@ -119,6 +124,17 @@ def unpark(parked: str | Path, root: str | Path) -> int:
             shutil.copy2(source, target)
             restored += 1
     return restored
+
+
+def finished_training(checkpoint: Path) -> bool:
+    """Whether `checkpoint` is a transformers Trainer's last (its trainer_state.json: all steps done, or told to
+    stop, as sim-to-real's budget does). Another trainer's checkpoint (PPO's own) is not known to be."""
+    state_file = checkpoint / "trainer_state.json"
+    if not state_file.is_file():
+        return False
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    control = state.get("stateful_callbacks", {}).get("TrainerControl", {}).get("args", {})
+    return 0 < state.get("max_steps", 0) <= state.get("global_step", 0) or bool(control.get("should_training_stop"))
 
 
 def _newest_settled(checkpoints: list[Path], settled: float) -> Path | None:
