@@ -1173,6 +1173,7 @@ def test_results_study_runs_the_correction_row_at_dreamgym_s2rs_budget(project, 
     assert not (project / "models" / "correction" / "rounds" / "round_1" / "sim_to_real").exists()
     correction = json.loads((kept / "correction_rounds.json").read_text())
     assert correction["rounds"] == 2 and correction["feedback"] and 0 < correction["real_transitions"] <= 20
+    assert (kept / "correction_rounds.csv").read_text() == (project / "metrics" / "correction_rounds.csv").read_text()
     last_round = json.loads((project / "models" / "correction" / "rounds" / "round_2" / "metrics"
                              / "evaluate_policies.json").read_text())
     assert json.loads((kept / "evaluate_policies.json").read_text()) == last_round

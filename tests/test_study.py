@@ -457,6 +457,8 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "correction_rounds.json").write_text(json.dumps(
         {"rounds": 3, "real_transitions": 31, "synthetic_transitions": 270}))
+    rounds_table = "round,on_policy_false_wins\n1,0\n2,0\n3,5\n"
+    (tmp_path / "metrics" / "correction_rounds.csv").write_text(rounds_table)
     results = tmp_path / "results"
 
     # the pipeline's own synthetic RL, sim-to-real and evaluation did not run: their files at the root are another run's
@@ -467,6 +469,7 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     kept = results / "s2r-correction-seed0"
     assert json.loads((kept / "synthetic_rl.json").read_text()) == {"synthetic_transitions": 90}  # the last round's
     assert json.loads((kept / "sim_to_real.json").read_text()) == {"real_transitions_used": 6}
+    assert (kept / "correction_rounds.csv").read_text() == rounds_table  # each round's audit, not only the last
     [run] = finished_runs(results, ("grpo",))
     assert run.games[("sim-to-real", tw)] == {"g0": True, "g1": True, "g2": True, "g3": False}
     metrics, _ = aggregate([run])

@@ -190,13 +190,13 @@ def scoring_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 # kept from each run's metrics/: the evaluation, both RL stages' summaries and their per-iteration logs (a correction
-# run's: its last round's), and the correction rounds' summary
+# run's: its last round's), and the correction rounds' summary and per-round table
 RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", "synthetic_rl_iterations.csv",
              "sim_to_real_iterations.csv")
 # and the two models every variant of a seed starts from (from the run's own stage root): what they cost
 UPSTREAM_FILES = ("train_experience_model.json", "train_policy_sft.json")
 SIMULATOR_FILE = "evaluate_experience_model.json"  # kept from a run that scored its experience model
-CORRECTION_FILE = "correction_rounds.json"
+CORRECTION_FILE, CORRECTION_ROUNDS = "correction_rounds.json", "correction_rounds.csv"
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
 SUPERSEDED = "superseded"  # run.json's reason a later change to the method superseded the run (`supersede`)
@@ -330,14 +330,15 @@ def read_failures(results_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 def run_files(root: str | Path = ".", evaluated_in: str | Path | None = None, simulator: bool = False,
               not_needed: tuple[str, ...] = ()) -> dict[str, str]:
     """A finished run's RUN_FILES and its games (GAMES_FILE), by name, from the stage root that evaluated its
-    policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE too),
+    policies (`evaluated_in`, default `root`; a correction run's last round, and then `root`'s CORRECTION_FILE and
+    CORRECTION_ROUNDS too),
     and `root`'s UPSTREAM_FILES, and SIMULATOR_FILE when the run scored its experience model (`simulator`: the file
     left by another run would not be this run's); none of the stages it did not run (`not_needed`:
     `stages_not_needed`) at `root`, whose files there are another run's (a correction run's rounds ran their own)."""
     root_metrics = Path(root) / "metrics"
     sources = [Path(evaluated_in or root) / path for path in [*(f"metrics/{name}" for name in RUN_FILES), GAMES_FILE]]
     sources += [root_metrics / name for name in (*UPSTREAM_FILES, *[SIMULATOR_FILE] * simulator)]
-    sources += [root_metrics / CORRECTION_FILE] if evaluated_in is not None else []
+    sources += [root_metrics / CORRECTION_FILE, root_metrics / CORRECTION_ROUNDS] if evaluated_in is not None else []
     not_run = {f"{stage}{suffix}" for stage in not_needed for suffix in (".json", "_iterations.csv")}
     return {source.name: source.read_text(encoding="utf-8") for source in sources if source.is_file()
             and not (source.parent == root_metrics and source.name in not_run)}
