@@ -1179,5 +1179,6 @@ def test_results_study_runs_the_correction_row_at_dreamgym_s2rs_budget(project, 
     assert json.loads((kept / "evaluate_policies.json").read_text()) == last_round
     row = metrics["DreamGym-S2R (GRPO) + correction"]["textworld-cooking"]
     assert row["real_transitions_mean"] == correction["real_transitions"]
-    assert "On-policy correction helps sim-to-real at the same real budget" in (
-        project / "reports" / "results_study" / "README.md").read_text()
+    study_report = (project / "reports" / "results_study" / "README.md").read_text()
+    assert "On-policy correction helps sim-to-real at the same real budget" in study_report
+    assert "| textworld-cooking/s2r-correction-seed0 | 2 |" in study_report  # its rounds, one by one

@@ -13,6 +13,7 @@ from components.results.study import (
     claim_verdicts,
     claims_reading,
     comparisons,
+    correction_section,
     detectable_difference,
     finished_runs,
     is_finished,
@@ -457,7 +458,8 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "correction_rounds.json").write_text(json.dumps(
         {"rounds": 3, "real_transitions": 31, "synthetic_transitions": 270}))
-    rounds_table = "round,on_policy_false_wins\n1,0\n2,0\n3,5\n"
+    rounds_table = ("round,real_transitions_total,on_policy_false_wins,on_policy_unrewarded,synthetic_wins,"
+                    "confirmed_wins,heldout_success\n1,13,0,26,1,0,0.38\n2,25,0,26,1,0,0.38\n3,31,5,26,1,0,0.39\n")
     (tmp_path / "metrics" / "correction_rounds.csv").write_text(rounds_table)
     results = tmp_path / "results"
 
@@ -475,6 +477,15 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     metrics, _ = aggregate([run])
     row = metrics["DreamGym-S2R (GRPO) + correction"][tw]
     assert (row["successes"], row["real_transitions_mean"], row["synthetic_transitions_mean"]) == (3, 31, 270)
+    # the report shows each round's on-policy audit; a run kept before the table was, its summary's first and last
+    section = correction_section([run])
+    assert "| s2r-correction-seed0 | 3 | 31 | 5/26 | 0/1 | 0.39 |" in section
+    (kept / "correction_rounds.csv").unlink()
+    (kept / "correction_rounds.json").write_text(json.dumps({"rounds": 3, "first": {
+        "on_policy_false_win_rate": 0.0, "heldout_success": 0.38}, "final": {
+        "on_policy_false_win_rate": 5 / 26, "synthetic_wins": 1, "confirmed_wins": 0, "heldout_success": 0.39}}))
+    [run] = finished_runs(results, ("grpo",))
+    assert "| s2r-correction-seed0 | 3 | - | 0.19 | 0/1 | 0.39 |" in correction_section([run])
 
 
 def test_episodes_pool_over_seeds_with_a_wilson_interval(tmp_path):

@@ -1350,9 +1350,50 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
               "runs kept before the study timed stopped invocations, what the study's logs timed).\n\n"
             + runs_table(runs)
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
+            + correction_section(runs)
             + superseded_section(superseded)
             + _plan_section(planned, statuses, profile, others, budget))
     return metrics, text
+
+
+def correction_section(runs: list[Run]) -> str:
+    """Each correction run's rounds: the real transitions spent so far, how often the experience model the next
+    round uses rewards a step the game did not reward in the round's policy's own play of held-out games (on-policy
+    false wins), how many synthetic wins the real game confirmed, and the held-out success (its CORRECTION_ROUNDS;
+    a run kept before it was kept shows its first and final rounds from its summary)."""
+    lines = []
+    for run in (run for run in runs if run.correction):
+        if (path := run.path / CORRECTION_ROUNDS).is_file():
+            with path.open(encoding="utf-8") as handle:
+                rounds = list(csv.DictReader(handle))
+        else:
+            first, final = run.correction.get("first", {}), run.correction.get("final", {})
+            rounds = [{"round": "1", **first}, {"round": str(run.correction.get("rounds", "last")), **final}]
+        lines += [[run.name, row["round"], row.get("real_transitions_total", "-"),
+                   _of(row, "on_policy_false_wins", "on_policy_unrewarded", "on_policy_false_win_rate"),
+                   _of(row, "confirmed_wins", "synthetic_wins"),
+                   _format_number(row.get("heldout_success"))] for row in rounds]
+    if not lines:
+        return ""
+    return ("\n### On-policy correction, round by round\n\nAfter each round the experience model is trained on the "
+            "real transitions of the round's training tasks, then scored on the round's policy playing held-out games "
+            "in the real game (measured, never trained on): an on-policy false win is a step there that the game did "
+            "not reward and the model does, the error that lets synthetic RL chase moves the game refuses. Held-out "
+            "success is on the round's subset of held-out games (the last round's on all of them). A run kept before "
+            "its per-round table was kept shows its first and last rounds, with the rate only.\n\n"
+            + markdown_table(["run", "round", "real transitions so far", "on-policy false wins",
+                              "synthetic wins confirmed in the real game", "held-out success"], lines))
+
+
+def _of(row: dict[str, Any], part: str, whole: str, rate: str = "") -> str:
+    """`part`/`whole` of a round's row, else its `rate`, else '-'."""
+    if _is_number(str(row.get(part, ""))) and _is_number(str(row.get(whole, ""))):
+        return f"{int(float(row[part]))}/{int(float(row[whole]))}"
+    return _format_number(row.get(rate)) if rate else "-"
+
+
+def _format_number(value: Any) -> str:
+    return f"{float(value):.2f}" if _is_number(str(value)) else "-"
 
 
 def superseded_section(superseded: list[Run]) -> str:
