@@ -603,9 +603,12 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     assert "- Synthetic-only RL improves on the warm start, miniwob, DreamGym (GRPO) against SFT only: " \
            "`miniwob/dreamgym-grpo-seed0`: not run yet, its cost not measured yet; `miniwob/sft-only-seed0`: not run " \
            "yet, its cost not measured yet." in text
-    # the second claim: the paper's two comparisons per environment, and our two controls
-    assert "Here, of the paper's 2 comparisons, 1 supported, 1 not tested; of our controls' 4 comparisons, 1 not " \
-           "resolved, 3 not tested." in text
+    # the second claim: the paper's comparison per environment, and our three controls (synthetic RL first, the
+    # correction against S2R and against real-only RL, at the same real budget)
+    assert "Here, of the paper's 2 comparisons, 1 supported, 1 not tested; of our controls' 6 comparisons, 1 not " \
+           "resolved, 5 not tested." in text
+    assert "- Synthetic RL with on-policy correction beats real-only RL on the same real transitions (our control), " \
+           f"{tw}, DreamGym-S2R (GRPO) + correction against GRPO in the real environment at S2R's budget: " in text
     # a method whose RL never had a gradient is the policy it started from: the reading says so beside its verdict
     metrics["GRPO in the real environment at S2R's budget"][tw]["runs_never_updated"] = 1
     found = comparisons(metrics, ("grpo",), {(method, tw): outcomes(won) for method, won in wins.items()})
