@@ -13,6 +13,7 @@ from components.results.study import (
     claim_verdicts,
     claims_reading,
     comparisons,
+    correction_plot,
     correction_section,
     detectable_difference,
     finished_runs,
@@ -478,8 +479,10 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     row = metrics["DreamGym-S2R (GRPO) + correction"][tw]
     assert (row["successes"], row["real_transitions_mean"], row["synthetic_transitions_mean"]) == (3, 31, 270)
     # the report shows each round's on-policy audit; a run kept before the table was, its summary's first and last
-    section = correction_section([run])
+    section = correction_section([run], correction_plot([run], tmp_path / "corrections.png"))
     assert "| s2r-correction-seed0 | 3 | 31 | 5/26 | 0/1 | 0.39 |" in section
+    assert "![correction rounds](corrections.png)" in section and (tmp_path / "corrections.png").is_file()
+    assert correction_plot([], tmp_path / "none.png") is None
     (kept / "correction_rounds.csv").unlink()
     (kept / "correction_rounds.json").write_text(json.dumps({"rounds": 3, "first": {
         "on_policy_false_win_rate": 0.0, "heldout_success": 0.38}, "final": {

@@ -197,6 +197,7 @@ RUN_FILES = ("evaluate_policies.json", "sim_to_real.json", "synthetic_rl.json", 
 UPSTREAM_FILES = ("train_experience_model.json", "train_policy_sft.json")
 SIMULATOR_FILE = "evaluate_experience_model.json"  # kept from a run that scored its experience model
 CORRECTION_FILE, CORRECTION_ROUNDS = "correction_rounds.json", "correction_rounds.csv"
+CORRECTION_PLOT = "results_study_correction.png"  # in the results folder, beside the report
 KEPT_GAMES = Path(GAMES_FILE).name  # each held-out game's outcome, to pair the methods
 RUN_RECORD = "run.json"  # what the study wrote about the run: variant, seed, params set, profile, commit, seconds
 SUPERSEDED = "superseded"  # run.json's reason a later change to the method superseded the run (`supersede`)
@@ -1327,6 +1328,7 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
     statuses = plan_status(planned, runs, profile, failures, superseded) if planned and not others else None
     bars = success_plot(metrics, results_dir / "results_study.png")
     curves = learning_curves_plot(runs, results_dir / "results_study_curves.png")
+    corrections = correction_plot(runs, results_dir / CORRECTION_PLOT)
     hours = sum(run.record.get("seconds", 0.0) for run in runs) / 3600
     scratch = [run.from_scratch_seconds for run in runs if run.from_scratch_seconds is not None]
     attempts = [a for tried in failures.values() for a in tried]
@@ -1353,29 +1355,22 @@ def report(results_dir: str | Path, confidence: float = 0.95, algorithm_names: t
               "runs kept before the study timed stopped invocations, what the study's logs timed).\n\n"
             + runs_table(runs)
             + (f"\n![learning curves]({curves.name})\n" if curves else "")
-            + correction_section(runs)
+            + correction_section(runs, corrections)
             + superseded_section(superseded)
             + _plan_section(planned, statuses, profile, others, budget))
     return metrics, text
 
 
-def correction_section(runs: list[Run]) -> str:
+def correction_section(runs: list[Run], plot: Path | None = None) -> str:
     """Each correction run's rounds: the real transitions spent so far, how often the experience model the next
     round uses rewards a step the game did not reward in the round's policy's own play of held-out games (on-policy
     false wins), how many synthetic wins the real game confirmed, and the held-out success (its CORRECTION_ROUNDS;
-    a run kept before it was kept shows its first and final rounds from its summary)."""
-    lines = []
-    for run in (run for run in runs if run.correction):
-        if (path := run.path / CORRECTION_ROUNDS).is_file():
-            with path.open(encoding="utf-8") as handle:
-                rounds = list(csv.DictReader(handle))
-        else:
-            first, final = run.correction.get("first", {}), run.correction.get("final", {})
-            rounds = [{"round": "1", **first}, {"round": str(run.correction.get("rounds", "last")), **final}]
-        lines += [[run.name, row["round"], row.get("real_transitions_total", "-"),
-                   _of(row, "on_policy_false_wins", "on_policy_unrewarded", "on_policy_false_win_rate"),
-                   _of(row, "confirmed_wins", "synthetic_wins"),
-                   _format_number(row.get("heldout_success"))] for row in rounds]
+    a run kept before it was kept shows its first and final rounds from its summary), and their `plot`
+    (`correction_plot`) where there is one."""
+    lines = [[run.name, row["round"], row.get("real_transitions_total", "-"),
+              _of(row, "on_policy_false_wins", "on_policy_unrewarded", "on_policy_false_win_rate"),
+              _of(row, "confirmed_wins", "synthetic_wins"), _format_number(row.get("heldout_success"))]
+             for run in runs for row in correction_rounds(run)]
     if not lines:
         return ""
     return ("\n### On-policy correction, round by round\n\nAfter each round the experience model is trained on the "
@@ -1385,7 +1380,54 @@ def correction_section(runs: list[Run]) -> str:
             "success is on the round's subset of held-out games (the last round's on all of them). A run kept before "
             "its per-round table was kept shows its first and last rounds, with the rate only.\n\n"
             + markdown_table(["run", "round", "real transitions so far", "on-policy false wins",
-                              "synthetic wins confirmed in the real game", "held-out success"], lines))
+                              "synthetic wins confirmed in the real game", "held-out success"], lines)
+            + (f"\n![correction rounds]({plot.name})\n" if plot else ""))
+
+
+def correction_rounds(run: Run) -> list[dict[str, str]]:
+    """A correction run's rounds as its CORRECTION_ROUNDS holds them, else its summary's first and last; [] for
+    another run."""
+    if not run.correction:
+        return []
+    if (path := run.path / CORRECTION_ROUNDS).is_file():
+        with path.open(encoding="utf-8") as handle:
+            return list(csv.DictReader(handle))
+    first, final = run.correction.get("first", {}), run.correction.get("final", {})
+    return [{"round": "1", **first}, {"round": str(run.correction.get("rounds", "last")), **final}]
+
+
+def correction_plot(runs: list[Run], path: str | Path) -> Path | None:
+    """The on-policy false-win rate of each correction run's experience model, round by round, one panel per
+    environment, one line per run (dashed by seed); None without a correction run."""
+    found = [(run, [(int(row["round"]), rate) for row in correction_rounds(run)
+                    if str(row["round"]).isdigit() and (rate := _false_win_rate(row)) is not None]) for run in runs]
+    found = [(run, points) for run, points in found if points]
+    if not found:
+        return None
+    environments = sorted({run.environment or "" for run, _ in found})
+    figure, axes = pyplot().subplots(1, len(environments), squeeze=False, figsize=(5 * len(environments), 3.2))
+    for axis, environment in zip(axes[0], environments, strict=True):
+        for run, points in ((run, points) for run, points in found if (run.environment or "") == environment):
+            rounds = [x for x, _ in points]
+            every_round = rounds == list(range(rounds[0], rounds[0] + len(rounds)))  # else no line across a gap
+            axis.plot(rounds, [y for _, y in points], marker="o", label=f"seed {run.seed}",
+                      linestyle=["-", "--", ":", "-."][run.seed % 4] if every_round else "none")
+        axis.set_title(f"{environment}: the experience model after each round", fontsize=9)
+        axis.set_xlabel("round", fontsize=8)
+        axis.set_ylabel("on-policy false-win rate", fontsize=8)
+        axis.set_ylim(-0.03, 1.03)
+        axis.xaxis.get_major_locator().set_params(integer=True)
+        axis.legend(fontsize=7)
+    return save_figure(figure, path)
+
+
+def _false_win_rate(row: dict[str, Any]) -> float | None:
+    """A round's on-policy false wins over the unrewarded steps, else its rate as kept, else None."""
+    wins, unrewarded = str(row.get("on_policy_false_wins")), str(row.get("on_policy_unrewarded"))
+    if _is_number(wins) and _is_number(unrewarded) and float(unrewarded):
+        return float(wins) / float(unrewarded)
+    rate = str(row.get("on_policy_false_win_rate"))
+    return float(rate) if _is_number(rate) else None
 
 
 def _of(row: dict[str, Any], part: str, whole: str, rate: str = "") -> str:
