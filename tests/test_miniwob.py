@@ -34,6 +34,7 @@ from components.envs.miniwob import (  # noqa: E402
     random_policy,
     render_state,
 )
+from components.rl.policy import parse_action  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,9 @@ def test_expert_wins_heldout_tasks(env):
         assert trajectory.return_ == (1.0 if trajectory.success else 0.0)
         assert all(a.next_state == b.state for a, b in zip(trajectory.steps, trajectory.steps[1:]))
         assert trajectory.steps[0].state.startswith(f"Task: {trajectory.task.instruction}\n")
+    # a policy that replies exactly the expert's action plays exactly it: quoted text keeps its quotes
+    assert [s.action for t in trajectories for s in t.steps] == [parse_action(s.action) for t in trajectories
+                                                                 for s in t.steps]
 
 
 def test_random_policy_rarely_wins(env):

@@ -61,7 +61,10 @@ def test_conversation_alternates_states_and_actions_and_clips_states():
 
 @pytest.mark.parametrize("reply, action", [
     ("open fridge", "open fridge"), ("Action: `take potato`\nbecause", "take potato"),
-    ("\n\n  eat meal  \n", "eat meal"), ("", "")])
+    ("\n\n  eat meal  \n", "eat meal"), ("", ""), ('"go north"', "go north"), ('take knife"', "take knife"),
+    # a web action's quoted text keeps both quotes: without the closing one the page refuses it
+    ('type [2] "Bethel, AK"', 'type [2] "Bethel, AK"'), ('`select [3] "Blue"`', 'select [3] "Blue"'),
+    ('"press "Enter""', 'press "Enter"'), ("take chef's knife", "take chef's knife")])
 def test_parse_action(reply, action):
     assert parse_action(reply) == action
 

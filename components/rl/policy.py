@@ -73,13 +73,20 @@ _PREFIX = re.compile(r"^(?:action|command|next command)\s*:\s*", re.IGNORECASE)
 
 
 def parse_action(reply: str) -> str:
-    """The action in a reply: its first non-empty line, without an "Action:" label, quotes or backticks.
+    """The action in a reply: its first non-empty line, without an "Action:" label, backticks or the quotes that
+    wrap the whole line. Quotes inside an action stay: `type [2] "Ann"` keeps the closing quote the web needs.
 
     Never raises: an empty reply gives "", which the environment treats as an invalid action (a failed step).
     """
     line = next((line.strip() for line in reply.splitlines() if line.strip()), "")
-    line = _PREFIX.sub("", line).strip()
-    return line.strip("`'\" ").strip()
+    line = _PREFIX.sub("", line).strip().strip("`").strip()
+    for quote in ('"', "'"):
+        if len(line) > 1 and line[0] == quote and line[-1] == quote:
+            line = line[1:-1].strip()
+        elif line.count(quote) % 2:  # one stray quote at an end, not an argument's
+            line = line.removeprefix(quote).strip() if line.startswith(quote) else line
+            line = line.removesuffix(quote).strip() if line.count(quote) % 2 else line
+    return line
 
 
 def normalise_action(action: str) -> str:
