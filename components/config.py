@@ -88,6 +88,9 @@ class TextWorldParams(Section):
 class MiniWoBParams(Section):
     tasks: list[str]
     step_timeout_s: float = Field(gt=0)
+    episode_time_limit_s: float = Field(gt=0, description="the page's own clock, set far above what a policy takes: "
+                                        "MiniWoB's (10-30 s, a person's pace) ends an LLM's slower episodes as "
+                                        "failures, by the machine's speed and load")
     max_steps: int = Field(gt=0)
     coverage_episodes: int = Field(gt=0)
 

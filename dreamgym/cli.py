@@ -197,7 +197,8 @@ def _coverage(args: argparse.Namespace, params) -> int:
         return EXIT_UNUSABLE
     report = Path("reports/miniwob_coverage.md")
     rows = coverage.run_coverage(report.with_suffix(".jsonl"), names, episodes=settings.coverage_episodes,
-                                 max_steps=settings.max_steps, step_timeout_s=settings.step_timeout_s)
+                                 max_steps=settings.max_steps, step_timeout_s=settings.step_timeout_s,
+                                 episode_time_limit_s=settings.episode_time_limit_s)
     report.write_text("# MiniWoB++ coverage of the text interface\n\nMade by `dreamgym coverage miniwob`.\n\n"
                       + coverage.coverage_markdown(rows, episodes=settings.coverage_episodes,
                                                    max_steps=settings.max_steps), encoding="utf-8")

@@ -83,6 +83,22 @@ def test_expert_wins_heldout_tasks(env):
                                                                  for s in t.steps]
 
 
+def test_the_pipelines_episode_outlives_the_pages_own_clock():
+    """MiniWoB's page fails an episode after 10 s (click-button), a person's pace: an LLM policy on CPU lost games to
+    it, more of them the busier the machine. The environment as the pipeline opens it sets the page's clock from
+    params (environments.miniwob.episode_time_limit_s)."""
+    from components.config import load_params
+    from components.envs.registry import real_environment
+
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    task = _task("click-button", 1003)
+    with real_environment("miniwob").open(params.environments) as env:
+        observation = env.reset(task)
+        time.sleep(11)
+        result = env.step(expert_policy()(task, observation, []))
+    assert result.done and result.reward == 1.0, result.info
+
+
 def test_random_policy_rarely_wins(env):
     tasks = make_tasks("heldout", len(TASKS), seed=8, env=env)
     policy = random_policy(random.Random(0))
@@ -154,12 +170,13 @@ def test_coverage_counts_what_the_state_shows_keeps_rows_and_goes_on(env, tmp_pa
     monkeypatch.undo()
 
     rows_file = tmp_path / "coverage.jsonl"
-    first = run_coverage(rows_file, ["choose-list", "click-button"], episodes=1, max_steps=5, step_timeout_s=10)
+    first = run_coverage(rows_file, ["choose-list", "click-button"], episodes=1, max_steps=5, step_timeout_s=10,
+                         episode_time_limit_s=300)
     assert [(r.task, r.reset_error, r.shown == r.interactive > 0, r.policy, r.wins) for r in first] == [
         ("choose-list", "", True, "expert", 1), ("click-button", "", True, "expert", 1)]
     kept = rows_file.read_text()
     rows = run_coverage(rows_file, ["choose-list", "click-button", "drag-box"], episodes=1, max_steps=5,
-                        step_timeout_s=10)
+                        step_timeout_s=10, episode_time_limit_s=300)
     assert rows_file.read_text().startswith(kept) and len(read_rows(rows_file)) == 3
     assert rows[2].task == "drag-box" and rows[2].policy == "random" and rows[2].episodes == 1
     table = coverage_markdown(rows, episodes=1, max_steps=5)

@@ -24,7 +24,7 @@ Decisions callers rely on:
   time, and recorded trajectories must be reproducible byte for byte);
   `info["success"]` on the final step.
 - MiniWoB ends an episode by itself after a wall-clock limit (10-30 s per task) with failure: slow policies (an LLM on
-  CPU) should pass `episode_time_limit_s`.
+  CPU) pass `episode_time_limit_s` (the pipeline does: `environments.miniwob.episode_time_limit_s`).
 - A step that runs past `step_timeout_s` (a hung page or browser) kills the browser and ends the episode with an
   environment failure (`info["env_failure"]` says why, `info["timeout"] = True`, `truncated`); the next reset starts a
   fresh browser. A browser error ends the episode the same way, unless the browser still answers: then it refused the

@@ -17,9 +17,6 @@ from components.envs.episode import run_episode
 from components.envs.miniwob import HTML_DIR, SOLVERS, MiniWoB, expert_policy, make_tasks, random_policy
 from components.reports import markdown_table
 
-# Far above what a step takes: the page's own clock (10-30 s) would otherwise end slow random episodes as failures.
-EPISODE_TIME_LIMIT_S = 300.0
-
 
 @dataclass
 class TaskCoverage:
@@ -74,12 +71,13 @@ def _short(problem: BaseException | str) -> str:
 
 
 def run_coverage(rows_file: Path, names: Sequence[str], *, episodes: int, max_steps: int, step_timeout_s: float,
-                 seed: int = 0, progress: Callable[[str], None] = print) -> list[TaskCoverage]:
+                 episode_time_limit_s: float, seed: int = 0,
+                 progress: Callable[[str], None] = print) -> list[TaskCoverage]:
     """Every task's row, measuring only those `rows_file` does not hold yet (each appended when done)."""
     done = {row.task: row for row in read_rows(rows_file)}
     todo = [name for name in names if name not in done]
     started = time.monotonic()
-    with MiniWoB(step_timeout_s=step_timeout_s, episode_time_limit_s=EPISODE_TIME_LIMIT_S) as env:
+    with MiniWoB(step_timeout_s=step_timeout_s, episode_time_limit_s=episode_time_limit_s) as env:
         for index, name in enumerate(todo, 1):
             row = measure_task(env, name, episodes=episodes, max_steps=max_steps, seed=seed)
             append_records([asdict(row)], rows_file)

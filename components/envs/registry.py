@@ -57,7 +57,8 @@ def _miniwob() -> RealEnvironment:
 
     return RealEnvironment(
         name="miniwob",
-        open=lambda p: mw.MiniWoB(step_timeout_s=p.miniwob.step_timeout_s),
+        open=lambda p: mw.MiniWoB(step_timeout_s=p.miniwob.step_timeout_s,
+                                  episode_time_limit_s=p.miniwob.episode_time_limit_s),
         make_tasks=lambda p, split, count, seed: mw.make_tasks(split, count, seed=seed, task_names=p.miniwob.tasks),
         expert=lambda env: mw.expert_policy(),
         # the scripted solvers read the current page, so they recover from a random detour by themselves
