@@ -84,8 +84,7 @@ def parse_action(reply: str) -> str:
         if len(line) > 1 and line[0] == quote and line[-1] == quote:
             line = line[1:-1].strip()
         elif line.count(quote) % 2:  # one stray quote at an end, not an argument's
-            line = line.removeprefix(quote).strip() if line.startswith(quote) else line
-            line = line.removesuffix(quote).strip() if line.count(quote) % 2 else line
+            line = (line.removeprefix(quote) if line.startswith(quote) else line.removesuffix(quote)).strip()
     return line
 
 
