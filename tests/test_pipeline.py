@@ -672,6 +672,24 @@ def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_n
     assert (fresh / ".cache/evaluate_policies/synthetic_grpo.jsonl").read_text() == '{"game": 1}\n{"game": 2}\n'
 
 
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_git_keeps_every_kind_of_resume_state_a_study_profile_parks(profile):
+    """Parked rows are committed so that the next machine goes on from them: an ignore rule that caught a kind of
+    resume state (the evaluations' journals under `.cache/`) would silently drop it from every commit."""
+    from components.config import profile_values
+
+    parked = Path(profile_values(REPO / "profiles" / f"{profile}.yaml")["study.parked_rows"])
+    workspace = parked / "miniwob" / "a-row-seed0" / "workspace"
+    kinds = [".cache/evaluate_policies/synthetic_grpo-miniwob.jsonl",
+             ".cache/evaluate_experience_model/warm_start.jsonl", ".cache/evaluate_baselines/random-miniwob.jsonl",
+             "models/policy/rl/checkpoints/checkpoint-3/adapter_model.safetensors",
+             "models/policy/rl/curriculum_writer/checkpoints/checkpoint-2/adapter_model.safetensors",
+             "models/correction/rounds/round_1/round.json"]
+    paths = [(workspace / kind).as_posix() for kind in kinds] + [(workspace.parent / "clock.json").as_posix()]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=REPO, capture_output=True, text=True)
+    assert ignored.returncode == 1 and ignored.stdout == "", f"git ignores parked state: {ignored.stdout}"
+
+
 def test_a_parked_work_pool_row_goes_on_in_a_new_workspace_when_its_machine_is_gone(onboarded, monkeypatch,
                                                                                     prefect_server):
     """With study.parked_rows a running row parks its resume state and clock every tick; killed, and its workspace
