@@ -677,12 +677,13 @@ def test_git_keeps_every_kind_of_resume_state_a_study_profile_parks(profile):
     """Parked rows are committed so that the next machine goes on from them: an ignore rule that caught a kind of
     resume state (the evaluations' journals under `.cache/`) would silently drop it from every commit."""
     from components.config import profile_values
+    from stages import evaluate_baselines, evaluate_experience_model, evaluate_policies
 
     parked = Path(profile_values(REPO / "profiles" / f"{profile}.yaml")["study.parked_rows"])
     workspace = parked / "miniwob" / "a-row-seed0" / "workspace"
-    kinds = [".cache/evaluate_policies/synthetic_grpo-miniwob.jsonl",
-             ".cache/evaluate_experience_model/warm_start.jsonl", ".cache/evaluate_baselines/random-miniwob.jsonl",
-             "models/policy/rl/checkpoints/checkpoint-3/adapter_model.safetensors",
+    journals = [f"{stage.JOURNALS}/a-journal.jsonl"
+                for stage in (evaluate_policies, evaluate_experience_model, evaluate_baselines)]
+    kinds = [*journals, "models/policy/rl/checkpoints/checkpoint-3/adapter_model.safetensors",
              "models/policy/rl/curriculum_writer/checkpoints/checkpoint-2/adapter_model.safetensors",
              "models/correction/rounds/round_1/round.json"]
     paths = [(workspace / kind).as_posix() for kind in kinds] + [(workspace.parent / "clock.json").as_posix()]
