@@ -130,6 +130,11 @@ def checkpoint_number(checkpoint: Path) -> int:
     return int(checkpoint.name.rsplit("-", 1)[-1])
 
 
+# Our own training loops' last checkpoint holds this file (a transformers Trainer's says so in its trainer_state.json):
+# what only continuing needs (the optimizer) may then go, as a continued run starts a fresh one
+LAST_CHECKPOINT_MARK = "last_checkpoint.json"
+
+
 def numbered_checkpoints(checkpoints: Path) -> list[Path]:
     """The `checkpoint-N` folders in `checkpoints`, oldest first."""
     found = [p for p in checkpoints.glob("checkpoint-*") if p.name.rsplit("-", 1)[-1].isdigit()]

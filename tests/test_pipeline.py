@@ -603,10 +603,11 @@ def test_a_work_pool_row_that_fails_after_a_kill_is_kept_with_both_invocations_t
 
 def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_new_workspace_gets_them(tmp_path):
     """`park` mirrors resume state in a folder that outlives the machine: of the checkpoints only the newest settled
-    one (a checkpoint still being written is not copied; a trainer's last one without its optimizer), pruned ones
+    one (a checkpoint still being written is not copied; a training's last one without its optimizer), pruned ones
     go, journals follow; `unpark` puts it back into a new workspace. `resume_state` leaves out a training the kept
     trainings hold."""
     from components.config import load_params
+    from components.files import LAST_CHECKPOINT_MARK
     from components.results.workspace import park, unpark
     from stages.outputs import resume_state
 
@@ -666,8 +667,19 @@ def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_n
     assert sorted(p.name for p in (parked / s2r.relative_to(workspace)).iterdir()) == [
         "adapter_model.safetensors", "trainer_state.json"]
 
+    # so is PPO's last checkpoint (our own loop marks it), and sim-to-real's folder keeps only its newest
+    ppo = s2r.parent / "checkpoint-6"
+    ppo.mkdir()
+    for name in ("adapter_model.safetensors", "value_head.pt", "optimizer.pt", "rng.pt", LAST_CHECKPOINT_MARK):
+        (ppo / name).write_text(name)
+        os.utime(ppo / name, (long_ago, long_ago))
+    park(resume_state(params, workspace), workspace, parked)
+    assert sorted(p.name for p in (parked / s2r.parent.relative_to(workspace)).iterdir()) == ["checkpoint-6"]
+    assert sorted(p.name for p in (parked / ppo.relative_to(workspace)).iterdir()) == [
+        "adapter_model.safetensors", LAST_CHECKPOINT_MARK, "rng.pt", "value_head.pt"]
+
     fresh = tmp_path / "another machine"
-    assert unpark(parked, fresh) == 5
+    assert unpark(parked, fresh) == 7
     assert (fresh / "models/policy/rl/checkpoints/checkpoint-3/adapter.safetensors").read_text() == "weights 3"
     assert (fresh / ".cache/evaluate_policies/synthetic_grpo.jsonl").read_text() == '{"game": 1}\n{"game": 2}\n'
 

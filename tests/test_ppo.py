@@ -13,10 +13,19 @@ import torch
 from components.builders import curve_probe
 from components.config import overridden
 from components.data.contract import Task
+from components.files import LAST_CHECKPOINT_MARK
 from components.llm.models import build_tiny_causal_lm, load_causal_lm
+from components.results.workspace import finished_training
 from components.rl.curriculum import Curriculum
 from components.rl.loop import LOG_FILE, TIME_SPLIT, kept_episodes, read_iteration_log
-from components.rl.ppo import make_micro_batch, ppo_loss, sequence_logprobs_and_values, train_ppo, turn_advantages
+from components.rl.ppo import (
+    OPTIMIZER,
+    make_micro_batch,
+    ppo_loss,
+    sequence_logprobs_and_values,
+    train_ppo,
+    turn_advantages,
+)
 from components.rl.rollouts import Episode, SyntheticBatch
 from components.simulator.replay_buffer import FaissReplayBuffer
 from components.simulator.synthetic import SyntheticEnvironment
@@ -211,7 +220,8 @@ def test_ppo_resumes_mid_run_where_it_stopped(first_run, policy_dir, tmp_path):
 
 def test_ppo_plays_iterations_while_their_worst_case_fits_in_its_transition_budget(policy_dir, tmp_path):
     """One-turn episodes spend 4 of an iteration's worst case of 8: a budget of 16 pays for 3 iterations, the last one
-    saved though save_every is larger; a rerun plays nothing, a larger budget goes on from the checkpoint."""
+    saved though save_every is larger and marked the last; a rerun plays nothing, a larger budget goes on from the
+    checkpoint, even one copied without its optimizer (a parked row's)."""
     def train(budget, backend):
         settings = replace(SETTINGS, iterations=10, transition_budget=budget, save_every=5, save_total_limit=10)
         return _train(policy_dir, tmp_path / "rl", tmp_path, backend, settings)[0]
@@ -219,12 +229,16 @@ def test_ppo_plays_iterations_while_their_worst_case_fits_in_its_transition_budg
     first = train(16, ScriptedBackend(one_turn=True))
     assert SETTINGS.transitions_per_iteration == 8 and [row["env_transitions"] for row in first.log] == [4, 4, 4]
     assert first.iterations == 3 and read_iteration_log(first.model_dir) == first.log
-    assert sorted(p.name for p in (tmp_path / "rl" / "checkpoints").glob("checkpoint-*")) == ["checkpoint-3"]
+    last = tmp_path / "rl" / "checkpoints" / "checkpoint-3"
+    assert sorted(p.name for p in last.parent.glob("checkpoint-*")) == [last.name]
+    assert json.loads((last / LAST_CHECKPOINT_MARK).read_text()) == {"iterations": 3} and finished_training(last)
     idle = ScriptedBackend(one_turn=True)
     again = train(16, idle)
     assert again.resumed_from.endswith("checkpoint-3") and again.iterations == 3 and not idle.calls
+    (last / OPTIMIZER).unlink()
     more = train(20, ScriptedBackend(one_turn=True))
     assert more.iterations == 4 and more.log[:3] == json.loads(json.dumps(first.log))
+    assert finished_training(last.parent / "checkpoint-4")  # the longer run's last
 
 
 def test_ppo_full_fine_tuning_keeps_a_frozen_reference_and_resumes(policy_dir, tmp_path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from components.config import load_params, write_params
-from components.files import atomic_directory, numbered_checkpoints
+from components.files import LAST_CHECKPOINT_MARK, atomic_directory, numbered_checkpoints
 from components.llm.sft import TRAINING_STATE
 
 # What DVC needs of the project's working state, beside the commit's code
@@ -127,8 +127,10 @@ def unpark(parked: str | Path, root: str | Path) -> int:
 
 
 def finished_training(checkpoint: Path) -> bool:
-    """Whether `checkpoint` is a transformers Trainer's last (its trainer_state.json: all steps done, or told to
-    stop, as sim-to-real's budget does). Another trainer's checkpoint (PPO's own) is not known to be."""
+    """Whether `checkpoint` is its training's last: our own loops' (PPO's) holds LAST_CHECKPOINT_MARK, a transformers
+    Trainer's says so in its trainer_state.json (all steps done, or told to stop, as sim-to-real's budget does)."""
+    if (checkpoint / LAST_CHECKPOINT_MARK).is_file():
+        return True
     state_file = checkpoint / "trainer_state.json"
     if not state_file.is_file():
         return False

@@ -22,6 +22,7 @@ final policy.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import random
 import time
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from components import distributed
-from components.files import atomic_directory
+from components.files import LAST_CHECKPOINT_MARK, atomic_directory
 from components.llm.backends import GenerationBackend
 from components.rl.curriculum import Curriculum
 from components.rl.loop import (
@@ -368,9 +369,10 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 def save_checkpoint(checkpoint: Path, model: PreTrainedModel, value_head: torch.nn.Linear,
                     optimizer: torch.optim.Optimizer, buffer: ReplayBuffer | None, rows: list[dict[str, Any]],
-                    curriculum: Curriculum) -> None:
+                    curriculum: Curriculum, last: bool = False) -> None:
     """Adapter (or whole model), value head, optimizer and RNG states in one atomic directory, then the side-cars:
-    the log, written last, marks the checkpoint complete (`rl.last_complete_checkpoint`)."""
+    the log, written last, marks the checkpoint complete (`rl.last_complete_checkpoint`). The run's `last`
+    checkpoint says so (LAST_CHECKPOINT_MARK), so that a copy of it may leave the optimizer out (a parked row's)."""
     import torch
 
     with atomic_directory(checkpoint, replace=True) as tmp:
@@ -378,16 +380,23 @@ def save_checkpoint(checkpoint: Path, model: PreTrainedModel, value_head: torch.
         torch.save(value_head.state_dict(), tmp / VALUE_HEAD)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch.save(rng_states(), tmp / RNG)
+        if last:
+            (tmp / LAST_CHECKPOINT_MARK).write_text(json.dumps({"iterations": len(rows)}) + "\n", encoding="utf-8")
     save_sidecars(checkpoint, buffer, rows, curriculum)
 
 
 def load_checkpoint(checkpoint: Path, value_head: torch.nn.Linear, optimizer: torch.optim.Optimizer) -> None:
-    """The value head, the optimizer and the RNG states (the policy's weights are loaded by `load_policy`)."""
+    """The value head, the optimizer and the RNG states (the policy's weights are loaded by `load_policy`). A last
+    checkpoint copied without its optimizer (a parked row's) leaves `optimizer` fresh, as a Trainer does."""
     import torch
 
     device = value_head.weight.device
     value_head.load_state_dict(torch.load(checkpoint / VALUE_HEAD, map_location=device))
-    optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER, map_location=device))
+    if (checkpoint / OPTIMIZER).is_file():
+        optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER, map_location=device))
+    else:
+        log.info("%s holds no optimizer state (a finished run's, copied without it): a fresh optimizer goes on",
+                 checkpoint)
     set_rng_states(torch.load(checkpoint / RNG, weights_only=False))  # our own file: Python and numpy states
 
 
@@ -450,7 +459,7 @@ def train_ppo(policy_model: str, curriculum: Curriculum, make_batch: Callable[[]
                  row["success_rate"], row.get("kl", "n/a"), row.get("heldout_success", "-"), pace)
         if iteration % settings.save_every == 0 or last:
             save_checkpoint(checkpoints / f"checkpoint-{iteration}", model, value_head, optimizer, buffer, rows,
-                            curriculum)
+                            curriculum, last)
             prune_checkpoints(checkpoints, settings.save_total_limit)
 
     trained = model.merge_and_unload() if settings.lora is not None else model
