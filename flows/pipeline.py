@@ -35,12 +35,19 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
 
 
+# A stage ended by SIGTERM or SIGINT, as a shell reports it (128 + the signal) or Python's subprocess does (minus it)
+STOPPED_EXIT = re.compile(r"exited with (130|143|-2|-15)\b")
+
+
 class CommandFailed(RuntimeError):
     """A command that exited non-zero, with the DVC stage it was running (its last `Running stage` line) and why (its
-    last `error:` line, as `dreamgym` reports a failure; else DVC's last `ERROR:` line; else its last line)."""
+    last `error:` line, as `dreamgym` reports a failure; else DVC's last `ERROR:` line; else its last line).
+    `stopped`: the command, or the stage DVC ran, was ended by SIGTERM or SIGINT (a session's end, a worker shut
+    down), so the run was stopped, not failed. SIGKILL is not among them: the kernel's out-of-memory killer sends it."""
 
     def __init__(self, command: list[str], returncode: int, stage: str | None, reason: str) -> None:
         self.stage, self.reason = stage, reason
+        self.stopped = returncode in (-2, -15, 130, 143) or bool(STOPPED_EXIT.search(reason))
         super().__init__(f"{' '.join(command)} exited {returncode}" + (f" in stage {stage}" if stage else "")
                          + f": {reason} (its output is in the log above)")
 

@@ -147,14 +147,13 @@ def park_row(name: str, profile: str, workspace: Path, parked: Path, params: Par
     return copied
 
 
-def unpark_row(name: str, profile: str, workspace: Path, parked: Path) -> int:
-    """A new workspace of the row given what `park_row` kept in `parked`, and the row's clock from it where this
-    checkout has none (the machine that parked it is gone); the files put back."""
+def unpark_clock(name: str, profile: str, parked: Path) -> None:
+    """The row's clock from `parked` where this checkout has none: the machine that parked it is gone, or a stop
+    ended the row's last run here before it could save its clock."""
     clock = ROW_CLOCKS / profile / f"{name}.json"
     if (parked / PARKED_CLOCK).is_file() and not clock.is_file():
         clock.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(parked / PARKED_CLOCK, clock)
-    return unpark(parked / PARKED_FILES, workspace)
 
 
 def run_command(overrides: dict, target: str, cwd: str | Path | None = None) -> list[str]:
@@ -302,10 +301,11 @@ def run_variant(name: str, overrides: dict, run_dir: Path, target: str, evaluate
         try:  # `dvc exp run -S` writes the overrides into params.yaml: put the user's file back after every run
             not_scored = run_row(name, overrides, target, measures_simulator)
         except CommandFailed as error:  # kept: what the attempt cost and why it failed, for the plan to show
-            study.record_failure(results_folder(run_dir, name), {
-                **run_record(name, overrides, profile, clock.seconds, earlier_seconds=clock.earlier),
-                "stage": error.stage, "reason": error.reason})
-            clock.recorded = True
+            if not error.stopped:  # a stopped run failed nothing: its clock goes on in the row's next run
+                study.record_failure(results_folder(run_dir, name), {
+                    **run_record(name, overrides, profile, clock.seconds, earlier_seconds=clock.earlier),
+                    "stage": error.stage, "reason": error.reason})
+                clock.recorded = True
             raise
         finally:  # a stopped run (SIGTERM) comes here too
             put_back_params(original)
@@ -332,9 +332,11 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
         workspace = make_workspace(".", commit, workspace, state)
         params = load_params(workspace / PARAMS)
         parked = Path(params.study.parked_rows) / name if params.study.parked_rows else None
+        if parked is not None:
+            unpark_clock(name, profile, parked)
         if fresh and parked is not None and parked.is_dir():
             get_run_logger().info("%s: a new workspace; put back %d parked file(s) of the row from %s", name,
-                                  unpark_row(name, profile, workspace, parked), parked)
+                                  unpark(parked / PARKED_FILES, workspace), parked)
         clock = running.enter_context(row_clock(f"{profile}/{name}", TICK_SECONDS, None if parked is None else
                                                 lambda: park_row(name, profile, workspace, parked, params)))
         get_run_logger().info("%s: running in %s%s", name, workspace,
@@ -342,8 +344,13 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
         try:
             not_scored = run_row(name, overrides, target, measures_simulator, cwd=workspace)
         except Exception as error:  # a failed attempt, its workspace kept; a kill is no Exception
+            if getattr(error, "stopped", False):  # its stage stopped by a signal: workspace and clock go on next run
+                get_run_logger().warning("%s: stopped: %s", name, error)
+                return Cancelled(message=f"{name}: stopped ({error}); its next run goes on from its workspace")
             get_run_logger().error("%s: failed: %s", name, error, exc_info=True)
             clock.recorded = True  # the attempt's record, returned with the flow run's state, holds its time
+            if parked is not None:  # that record holds the parked clock's time too
+                (parked / PARKED_CLOCK).unlink(missing_ok=True)
             return Failed(message=str(error), data={FAILED_ATTEMPT: {
                 **run_record(name, overrides, profile, clock.seconds, workspace, earlier_seconds=clock.earlier),
                 "stage": getattr(error, "stage", None), "reason": getattr(error, "reason", str(error))}})
@@ -414,6 +421,9 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
     with get_client(sync_client=True) as client:
         while not (run := client.read_flow_run(UUID(flow_run_id))).state.is_final():
             time.sleep(5)
+    if run.state.is_cancelled():  # stopped, not failed: its time is in its clock, its work in its workspace
+        raise RuntimeError(f"{name}: its flow run {run.name} was stopped: {run.state.message} (run the row again: "
+                           "it goes on where it stopped)")
     if not run.state.is_completed():
         study.record_failure(results_folder(run_dir, name), failed_attempt(name, run))
         raise RuntimeError(f"{name}: its flow run {run.name} ended {run.state.name}: {run.state.message} (its log "
@@ -422,8 +432,8 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
 
 
 def failed_attempt(name: str, run: Any) -> dict[str, Any]:
-    """The record of the row `name`'s flow run that did not complete: the one it failed with (`study_row_flow`),
-    else, for one that crashed or was cancelled, what its state says (its time: this flow run's only)."""
+    """The record of the row `name`'s flow run that failed or crashed: the one it failed with (`study_row_flow`),
+    else what its state says (its time: this flow run's only)."""
     try:
         returned = run.state.result(raise_on_failure=False) if run.state.is_failed() else None
     except Exception:  # MissingResult: no result was persisted

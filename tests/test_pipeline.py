@@ -601,6 +601,75 @@ def test_a_work_pool_row_that_fails_after_a_kill_is_kept_with_both_invocations_t
     assert not (onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json").exists()  # its time is in the record
 
 
+def test_a_command_ended_by_sigterm_or_sigint_is_a_stop_not_a_failure(prefect_server):
+    """A session's end kills the stage DVC runs (`pkill`): the command, or the stage in DVC's error line, ended by
+    SIGTERM or SIGINT is `stopped`; any other exit, SIGKILL (the out-of-memory killer's) included, is a failure."""
+    import sys
+
+    from prefect import flow
+
+    from flows.pipeline import CommandFailed, run_logged
+
+    @flow
+    def ended_by(script: str) -> CommandFailed:
+        with pytest.raises(CommandFailed) as failed:
+            run_logged([sys.executable, "-c", script])
+        return failed.value
+
+    assert ended_by("import os, signal; os.kill(os.getpid(), signal.SIGTERM)").stopped
+    assert not ended_by("exit(3)").stopped
+    assert not ended_by("import os, signal; os.kill(os.getpid(), signal.SIGKILL)").stopped
+    dvc = "ERROR: failed to reproduce 'synthetic_rl': failed to run: dreamgym stage synthetic_rl, exited with {}"
+    assert ended_by(f"print({dvc.format(143)!r}); exit(255)").stopped  # DVC's shell: 128 + SIGTERM
+    assert ended_by(f"print({dvc.format(-2)!r}); exit(255)").stopped
+    assert not ended_by(f"print({dvc.format(1)!r}); exit(255)").stopped
+
+
+def test_a_work_pool_row_whose_stage_is_stopped_is_no_failed_attempt_and_its_next_run_counts_its_time(
+        onboarded, monkeypatch, prefect_server):
+    """A row's stage ended by SIGTERM ends its flow run Cancelled, not Failed: the study keeps no failed attempt, the
+    workspace and the clock stay, and the row's next run counts the stopped run's time, from the parked clock where
+    the local one is gone."""
+    import flows.study as study_flows
+    from components.results.study import read_failures
+    from components.results.workspace import working_state
+    from flows.pipeline import CommandFailed
+
+    set_params(onboarded, {"study.parked_rows": "parked"})
+    commit = commit_project(onboarded, monkeypatch)
+    monkeypatch.chdir(onboarded)
+    monkeypatch.setattr(study_flows, "TICK_SECONDS", 0.2)
+    name, state = "demo-kitchen/dreamgym-grpo-seed0", working_state(onboarded)
+    clock = onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json"
+
+    def row_flow():
+        return study_flows.study_row_flow(name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick",
+                                          return_state=True)
+
+    def stopped(*args, **kwargs):
+        time.sleep(1.0)  # ticks park the clock
+        raise CommandFailed(["dvc", "exp", "run"], 255, "synthetic_rl", "failed to reproduce 'synthetic_rl': failed "
+                            "to run: dreamgym stage synthetic_rl, exited with 143")
+
+    def finishing(row, overrides, target, measures_simulator, cwd):
+        (Path(cwd) / "metrics").mkdir(exist_ok=True)
+        (Path(cwd) / "metrics" / "evaluate_policies.json").write_text('{"synthetic_grpo": {}}')
+
+    monkeypatch.setattr(study_flows, "run_row", stopped)
+    final = row_flow()
+    assert final.is_cancelled()
+    with pytest.raises(RuntimeError, match="was stopped"):
+        study_flows.keep_row.fn(name, str(final.state_details.flow_run_id), onboarded / "results" / name)
+    assert name not in read_failures(onboarded / "results")
+    assert (onboarded / study_flows.ROW_WORKSPACES / "quick" / name).is_dir()
+    assert json.loads(clock.read_text())["seconds"] >= 1.0
+    clock.unlink()  # as a stop that ended the row's run before it saved its clock leaves it
+
+    monkeypatch.setattr(study_flows, "run_row", finishing)
+    record = json.loads(row_flow().result()["run.json"])
+    assert record["seconds"] >= record["earlier_seconds"] >= 0.8  # the parked clock's last tick
+
+
 def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_new_workspace_gets_them(tmp_path):
     """`park` mirrors resume state in a folder that outlives the machine: of the checkpoints only the newest settled
     one (a checkpoint still being written is not copied; a training's last one without its optimizer), pruned ones
