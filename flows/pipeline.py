@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,10 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
 
 
-# A stage ended by SIGTERM or SIGINT, as a shell reports it (128 + the signal) or Python's subprocess does (minus it)
-STOPPED_EXIT = re.compile(r"exited with (130|143|-2|-15)\b")
+# The exit codes of a command ended by SIGTERM or SIGINT, as a shell reports them (128 + the signal) and Python's
+# subprocess does (minus it); DVC's error line names the stage's
+STOPPED_EXITS = frozenset(code for stop in (signal.SIGINT, signal.SIGTERM) for code in (128 + stop, -stop))
+STOPPED_EXIT = re.compile(rf"exited with ({'|'.join(map(str, sorted(STOPPED_EXITS)))})\b")
 
 
 class CommandFailed(RuntimeError):
@@ -47,7 +50,7 @@ class CommandFailed(RuntimeError):
 
     def __init__(self, command: list[str], returncode: int, stage: str | None, reason: str) -> None:
         self.stage, self.reason = stage, reason
-        self.stopped = returncode in (-2, -15, 130, 143) or bool(STOPPED_EXIT.search(reason))
+        self.stopped = returncode in STOPPED_EXITS or bool(STOPPED_EXIT.search(reason))
         super().__init__(f"{' '.join(command)} exited {returncode}" + (f" in stage {stage}" if stage else "")
                          + f": {reason} (its output is in the log above)")
 
