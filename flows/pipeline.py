@@ -6,6 +6,7 @@ a run of the flow and a run of `dvc repro` do the same work once, never twice.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -62,8 +63,9 @@ def run_logged(command: list[str], cwd: str | Path | None = None) -> None:
     logger = get_run_logger()
     env = _env() if cwd is None else dict(_env(), PYTHONPATH=str(Path(cwd).resolve()))
     # errors="replace": a game engine may echo a byte that is not UTF-8 (dumb-frotz on a policy's odd command)
+    # its own process group: a stop reaches what it started too (the stage DVC runs)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               errors="replace", env=env, cwd=cwd)
+                               errors="replace", env=env, cwd=cwd, start_new_session=True)
     assert process.stdout is not None
     stage, error, dvc_error, last = None, None, None, ""
     try:
@@ -77,8 +79,9 @@ def run_logged(command: list[str], cwd: str | Path | None = None) -> None:
             elif line.startswith("ERROR: "):  # DVC's, after the stage's own error where there is one
                 dvc_error = line.removeprefix("ERROR: ")
             last = line.strip() or last
-    except BaseException:  # the task stops: so does the command, or it would run on beside the next one
-        process.kill()
+    except BaseException:  # the task stops: so do the command and its stage, or they would run on beside the next run
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         raise
     if process.wait() != 0:

@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 # so the running row's clock is written here every minute and the row's next invocation goes on from it.
 ROW_CLOCKS = Path(".dvc/tmp/study-clocks")
 FAILED_ATTEMPT = "failed_attempt"  # the key of a failed row flow run's record in its state's data
+# Prefect's messages for a flow run whose process was ended by SIGTERM or SIGINT (its Crashed state)
+STOPPED_FLOW_RUN_MESSAGES = ("aborted by a termination signal", "aborted by an interrupt signal")
 TICK_SECONDS = 60.0  # between a running row's clock saves (and, with study.parked_rows, parking passes)
 
 
@@ -421,7 +423,7 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
     with get_client(sync_client=True) as client:
         while not (run := client.read_flow_run(UUID(flow_run_id))).state.is_final():
             time.sleep(5)
-    if run.state.is_cancelled():  # stopped, not failed: its time is in its clock, its work in its workspace
+    if was_stopped(run.state):  # not failed: its time is in its clock, its work in its workspace
         raise RuntimeError(f"{name}: its flow run {run.name} was stopped: {run.state.message} (run the row again: "
                            "it goes on where it stopped)")
     if not run.state.is_completed():
@@ -429,6 +431,13 @@ def keep_row(name: str, flow_run_id: str, run_dir: Path) -> None:
         raise RuntimeError(f"{name}: its flow run {run.name} ended {run.state.name}: {run.state.message} (its log "
                            "is in the Prefect UI; the workspace is kept in the worker's .dvc/tmp/study_rows/)")
     study.keep_files(run_dir, run.state.result())
+
+
+def was_stopped(state: State) -> bool:
+    """Whether a row's flow run was stopped, not failed: Cancelled (its stage ended by a signal, `study_row_flow`),
+    or Crashed because its own process got SIGTERM or SIGINT (a session's end stopping the flow runs)."""
+    return state.is_cancelled() or (state.is_crashed() and any(
+        stop in (state.message or "") for stop in STOPPED_FLOW_RUN_MESSAGES))
 
 
 def failed_attempt(name: str, run: Any) -> dict[str, Any]:

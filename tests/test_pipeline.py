@@ -625,6 +625,77 @@ def test_a_command_ended_by_sigterm_or_sigint_is_a_stop_not_a_failure(prefect_se
     assert not ended_by(f"print({dvc.format(1)!r}); exit(255)").stopped
 
 
+def test_a_stopped_command_takes_the_stage_it_started_with_it(tmp_path, monkeypatch):
+    """A task stopped mid-command (its flow run's process got SIGTERM) kills the command and what it started: the
+    stage DVC runs would otherwise run on, orphaned, beside the row's next run in the same workspace."""
+    import sys
+
+    import flows.pipeline as pipeline
+
+    class Stopped(BaseException):
+        """What the task sees when Prefect turns the signal into an exception."""
+
+    class StoppedAtFirstLine:
+        def info(self, line: str) -> None:
+            raise Stopped
+
+    stage_pid = tmp_path / "stage.pid"
+    command = ("import subprocess, sys, time; "
+               "stage = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+               f"open({str(stage_pid)!r}, 'w').write(str(stage.pid)); "
+               "print(\"Running stage 'synthetic_rl':\", flush=True); time.sleep(120)")
+    monkeypatch.setattr(pipeline, "get_run_logger", StoppedAtFirstLine)
+    with pytest.raises(Stopped):
+        pipeline.run_logged([sys.executable, "-c", command])
+    stage = Path(f"/proc/{stage_pid.read_text()}/stat")
+    deadline = time.monotonic() + 10
+    while stage.exists() and stage.read_text().split()[2] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stage.exists() or stage.read_text().split()[2] == "Z"  # killed (a zombie until its new parent reaps it)
+
+
+def test_a_work_pool_row_whose_flow_run_gets_sigterm_is_no_failed_attempt(onboarded, monkeypatch, prefect_server):
+    """A session's end may stop a row's flow run process itself (`pkill -TERM -f prefect.engine`) while the study
+    waits for it: Prefect ends it Crashed. The study keeps no failed attempt (the row's clock holds that time and its
+    next run counts it), and the workspace stays. The flow run is a real process that gets a real SIGTERM."""
+    import sys
+    import textwrap
+
+    from prefect.settings import PREFECT_API_URL
+
+    import flows.study as study_flows
+    from components.results.study import read_failures
+    from components.results.workspace import working_state
+
+    commit = commit_project(onboarded, monkeypatch)
+    monkeypatch.chdir(onboarded)
+    name = "demo-kitchen/dreamgym-grpo-seed0"
+    row = (name, {"seed": 0}, "evaluate_policies", None, commit, working_state(onboarded), "quick")
+    flow_run_process = textwrap.dedent(f"""
+        import time
+        from prefect.runtime import flow_run
+        import flows.study as study_flows
+
+        def running(*args, **kwargs):
+            print(flow_run.id, flush=True)
+            time.sleep(300)
+
+        study_flows.run_row = running
+        study_flows.study_row_flow(*{row!r})
+        """)
+    process = subprocess.Popen([sys.executable, "-c", flow_run_process], cwd=onboarded, stdout=subprocess.PIPE,
+                               text=True, env=dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(),
+                                                   PYTHONPATH=str(REPO)))
+    flow_run_id = process.stdout.readline().strip()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    with pytest.raises(RuntimeError, match="was stopped"):
+        study_flows.keep_row.fn(name, flow_run_id, onboarded / "results" / name)
+    assert name not in read_failures(onboarded / "results")
+    assert (onboarded / study_flows.ROW_WORKSPACES / "quick" / name).is_dir()
+    assert (onboarded / study_flows.ROW_CLOCKS / "quick" / f"{name}.json").is_file()
+
+
 def test_a_work_pool_row_whose_stage_is_stopped_is_no_failed_attempt_and_its_next_run_counts_its_time(
         onboarded, monkeypatch, prefect_server):
     """A row's stage ended by SIGTERM ends its flow run Cancelled, not Failed: the study keeps no failed attempt, the
