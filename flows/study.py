@@ -26,7 +26,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.states import Cancelled, Failed, State
+from prefect.states import Cancelled, State
 
 from components.config import Params, active_profile, load_params, write_params
 from components.data.contract import TRAJECTORIES
@@ -57,10 +57,21 @@ log = logging.getLogger(__name__)
 # A row's wall time over its invocations: a study killed mid-row (a session's end) cannot record what the row took,
 # so the running row's clock is written here every minute and the row's next invocation goes on from it.
 ROW_CLOCKS = Path(".dvc/tmp/study-clocks")
-FAILED_ATTEMPT = "failed_attempt"  # the key of a failed row flow run's record in its state's data
 # Prefect's messages for a flow run whose process was ended by SIGTERM or SIGINT (its Crashed state)
 STOPPED_FLOW_RUN_MESSAGES = ("aborted by a termination signal", "aborted by an interrupt signal")
 TICK_SECONDS = 60.0  # between a running row's clock saves (and, with study.parked_rows, parking passes)
+
+
+class RowFailed(Exception):
+    """A row's failed attempt, raised by its flow run so that Prefect ends it Failed and keeps this exception as the
+    run's result: `record` (the attempt's time over all invocations, its stage, why) is what the study keeps."""
+
+    def __init__(self, message: str, record: dict[str, Any]):
+        super().__init__(message, record)  # both in args: the exception pickles into the result store and back
+        self.record = record
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class RowClock:
@@ -324,10 +335,11 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
                    state: dict[str, str], profile: str, measures_simulator: bool = False) -> dict[str, str] | State:
     """One study run on a worker: a workspace of the study's `commit` and working `state` (params.yaml, data.dvc,
     dvc.lock) sharing this checkout's DVC cache, the run there, and its files (what `study.keep_run` keeps, by name)
-    returned to the study; a run that fails ends Failed with the attempt's record (its time over all invocations,
-    its stage, why) for the study to keep. The workspace is the row's (by profile and name): a row stopped mid-run
-    (a worker killed at a session's end) goes on from its checkpoints there in the next flow run, its wall time too
-    (`row_clock`). It is removed after a run that finished, kept after one that failed."""
+    returned to the study; a run that fails raises `RowFailed` with the attempt's record (its time over all
+    invocations, its stage, why), which Prefect keeps as the Failed run's result for the study. The workspace is the
+    row's (by profile and name): a row stopped mid-run (a worker killed at a session's end) goes on from its
+    checkpoints there in the next flow run, its wall time too (`row_clock`). It is removed after a run that finished,
+    kept after one that failed."""
     workspace = ROW_WORKSPACES / profile / name
     with claimed(workspace), ExitStack() as running:
         fresh = not workspace.exists()
@@ -350,12 +362,12 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
                 get_run_logger().warning("%s: stopped: %s", name, error)
                 return Cancelled(message=f"{name}: stopped ({error}); its next run goes on from its workspace")
             get_run_logger().error("%s: failed: %s", name, error, exc_info=True)
-            clock.recorded = True  # the attempt's record, returned with the flow run's state, holds its time
+            clock.recorded = True  # the attempt's record, raised with RowFailed, holds its time
             if parked is not None:  # that record holds the parked clock's time too
                 (parked / PARKED_CLOCK).unlink(missing_ok=True)
-            return Failed(message=str(error), data={FAILED_ATTEMPT: {
+            raise RowFailed(str(error), {
                 **run_record(name, overrides, profile, clock.seconds, workspace, earlier_seconds=clock.earlier),
-                "stage": getattr(error, "stage", None), "reason": getattr(error, "reason", str(error))}})
+                "stage": getattr(error, "stage", None), "reason": getattr(error, "reason", str(error))}) from error
         record = run_record(name, overrides, profile, clock.seconds, workspace, not_scored,
                             earlier_seconds=clock.earlier)
         files = {**study.run_files(workspace, workspace / evaluated_in if evaluated_in else None,
@@ -447,8 +459,8 @@ def failed_attempt(name: str, run: Any) -> dict[str, Any]:
         returned = run.state.result(raise_on_failure=False) if run.state.is_failed() else None
     except Exception:  # MissingResult: no result was persisted
         returned = None
-    if isinstance(returned, dict) and FAILED_ATTEMPT in returned:
-        return returned[FAILED_ATTEMPT]
+    if isinstance(returned, RowFailed):
+        return returned.record
     return {"run": name, "commit": run.parameters.get("commit"), "profile": run.parameters.get("profile"),
             "seconds": run.total_run_time.total_seconds() if run.total_run_time else None, "stage": None,
             "reason": f"{run.state.name}: {run.state.message}"}

@@ -741,6 +741,37 @@ def test_a_work_pool_row_whose_stage_is_stopped_is_no_failed_attempt_and_its_nex
     assert record["seconds"] >= record["earlier_seconds"] >= 0.8  # the parked clock's last tick
 
 
+def test_a_work_pool_row_that_fails_ends_failed_and_the_study_keeps_its_attempt(onboarded, monkeypatch, prefect_server):
+    """A row whose stage fails raises `RowFailed`: Prefect ends its flow run Failed, the engine hands back that
+    exception (not a TypeError over the state's data), and the study keeps the attempt's record, its stage and why,
+    from the run's persisted result; the workspace stays."""
+    import flows.study as study_flows
+    from components.results.study import read_failures
+    from components.results.workspace import working_state
+    from flows.pipeline import CommandFailed
+
+    commit = commit_project(onboarded, monkeypatch)
+    monkeypatch.chdir(onboarded)
+    name, state = "demo-kitchen/dreamgym-grpo-seed0", working_state(onboarded)
+
+    def failing(*args, **kwargs):
+        raise CommandFailed(["dvc", "exp", "run"], 255, "synthetic_rl", "RL iteration 4: an environment failure "
+                            "ended every episode (8)")
+
+    monkeypatch.setattr(study_flows, "run_row", failing)
+    row = (name, {"seed": 0}, "evaluate_policies", None, commit, state, "quick")
+    with pytest.raises(study_flows.RowFailed, match="environment failure ended every episode"):
+        study_flows.study_row_flow(*row)
+    final = study_flows.study_row_flow(*row, return_state=True)
+    assert final.is_failed()
+    with pytest.raises(RuntimeError, match="ended Failed"):
+        study_flows.keep_row.fn(name, str(final.state_details.flow_run_id), onboarded / "results" / name)
+    [attempt] = read_failures(onboarded / "results")[name]
+    assert attempt["stage"] == "synthetic_rl" and "ended every episode" in attempt["reason"]
+    assert attempt["seconds"] >= 0 and attempt["params_set"] == {"seed": 0}
+    assert (onboarded / study_flows.ROW_WORKSPACES / "quick" / name).is_dir()
+
+
 def test_parking_keeps_a_rows_newest_settled_checkpoint_and_its_journals_and_a_new_workspace_gets_them(tmp_path):
     """`park` mirrors resume state in a folder that outlives the machine: of the checkpoints only the newest settled
     one (a checkpoint still being written is not copied; a training's last one without its optimizer), pruned ones
