@@ -361,7 +361,8 @@ def study_row_flow(name: str, overrides: dict, target: str, evaluated_in: str | 
             if getattr(error, "stopped", False):  # its stage stopped by a signal: workspace and clock go on next run
                 get_run_logger().warning("%s: stopped: %s", name, error)
                 return Cancelled(message=f"{name}: stopped ({error}); its next run goes on from its workspace")
-            get_run_logger().error("%s: failed: %s", name, error, exc_info=True)
+            # no traceback here: Prefect logs the raised RowFailed with it, this error chained
+            get_run_logger().error("%s: failed: %s", name, error)
             clock.recorded = True  # the attempt's record, raised with RowFailed, holds its time
             if parked is not None:  # that record holds the parked clock's time too
                 (parked / PARKED_CLOCK).unlink(missing_ok=True)
