@@ -1,0 +1,48 @@
+"""How well-formed a kept run's held-out play is: the games with an action that carries more than one command in its
+own text (`type [3] "Q2" "type [3]" "type [3]"`, a policy whose output format broke down) and the games that ran out
+of turns repeating at most two distinct actions (a policy stuck in a loop).
+
+    python research/action_format.py RUN POLICY [RUN POLICY ...] [--results reports/results_study/cpu]
+
+A run is its folder under the results folder (miniwob/real-ppo-seed1); a policy is an evaluate_policies label
+(sft_warm_start, synthetic_grpo, synthetic_ppo, sim-to-real). Prints one line a run and policy.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from pathlib import Path
+
+from components.results.study import KEPT_GAMES
+
+COMMAND = re.compile(r"\b(click|type|select|press) \[")  # the web adapter's action verbs, each with an element
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pairs", nargs="+", metavar="RUN POLICY")
+    parser.add_argument("--results", type=Path, default=Path("reports/results_study/cpu"))
+    args = parser.parse_args()
+    if len(args.pairs) % 2:
+        parser.error("give a policy after each run")
+    for run, policy in zip(args.pairs[::2], args.pairs[1::2]):
+        path = args.results / run / KEPT_GAMES
+        if not path.is_file():
+            raise SystemExit(f"{path}: no kept games (is {run!r} a finished run's folder?)")
+        with path.open(encoding="utf-8") as handle:
+            games = [row for row in csv.DictReader(handle) if row["policy"] == policy and not row["env_failure"]]
+        if not games:
+            raise SystemExit(f"{run}: no games of policy {policy!r}")
+        actions = [json.loads(game["actions"]) for game in games]
+        stacked = sum(any(len(COMMAND.findall(action)) > 1 for action in played) for played in actions)
+        turns = max(int(game["steps"]) for game in games)
+        looping = sum(int(game["steps"]) == turns and len(set(played)) <= 2 for game, played in zip(games, actions))
+        won = sum(game["won"] == "1" for game in games)
+        print(f"{run} {policy}: {len(games)} games, won {won}; an action of several commands in {stacked}; "
+              f"all {turns} turns on at most two distinct actions in {looping}")
+
+
+if __name__ == "__main__":
+    main()
