@@ -1,6 +1,7 @@
 """components/results/study.py: the variants' params and the pooling of held-out episodes into the results table."""
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -668,6 +669,32 @@ def test_pair_games_pairs_two_runs_policies_and_names_what_a_run_lacks(tmp_path,
                                      "--results", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"a-seed1: no games of policy 'synthetic_grpo'; it kept \['sim-to-real'\]"):
         pair_games.main()
+
+
+def test_action_format_counts_games_with_stacked_commands_and_games_stuck_in_a_loop(tmp_path, capsys, monkeypatch):
+    """research/action_format.py: a game with an action holding several commands, a game that ran out of turns on at
+    most two distinct actions, and a game an environment failure ended (left out, as the verdicts leave it out)."""
+    from research import action_format
+    run_dir = tmp_path / "miniwob" / "real-ppo-seed1"
+    run_dir.mkdir(parents=True)
+    games = [("g0", 1, 1, ["click [6]"], ""),
+             ("g1", 0, 3, ['type [3] "Q2" "type [3]" "type [3]"', "click [4]", "click [5]"], ""),
+             ("g2", 0, 4, ["click [6]", "click [7]", "click [6]", "click [7]"], ""),
+             ("g3", 0, 4, ["click [1] click [2]"] * 4, "the page did not load")]
+    with (run_dir / "evaluate_policies_games.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["policy", "environment", "task_id", "won", "steps", "actions", "env_failure"])
+        writer.writerows(["sim-to-real", "miniwob", task, won, steps, json.dumps(actions), failure]
+                         for task, won, steps, actions, failure in games)
+    monkeypatch.setattr("sys.argv", ["action_format.py", "miniwob/real-ppo-seed1", "sim-to-real",
+                                     "--results", str(tmp_path)])
+    action_format.main()
+    assert capsys.readouterr().out == ("miniwob/real-ppo-seed1 sim-to-real: 3 games, won 1; an action of several "
+                                       "commands in 1; all 4 turns on at most two distinct actions in 1\n")
+    monkeypatch.setattr("sys.argv", ["action_format.py", "miniwob/real-ppo-seed1", "synthetic_ppo",
+                                     "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"miniwob/real-ppo-seed1: no games of policy 'synthetic_ppo'"):
+        action_format.main()
 
 
 def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
