@@ -687,14 +687,62 @@ def test_action_format_counts_games_with_stacked_commands_and_games_stuck_in_a_l
         writer.writerows(["sim-to-real", "miniwob", task, won, steps, json.dumps(actions), failure]
                          for task, won, steps, actions, failure in games)
     monkeypatch.setattr("sys.argv", ["action_format.py", "miniwob/real-ppo-seed1", "sim-to-real",
-                                     "--results", str(tmp_path)])
+                                     "--results", str(tmp_path), "--trajectories", str(tmp_path / "no-seed.jsonl")])
     action_format.main()
     assert capsys.readouterr().out == ("miniwob/real-ppo-seed1 sim-to-real: 3 games, won 1; an action of several "
-                                       "commands in 1; all 4 turns on at most two distinct actions in 1\n")
+                                       "commands in 1; all 4 turns on at most two distinct actions in 1; 8 actions: "
+                                       "click 88%, type 12%\n")
+    # a seed that wins g1's kind only by typing: the games of that kind, those that typed and those won
+    seed = {"trajectory_id": "seed-1", "task": {"task_id": "miniwob-g1-s7", "environment": "miniwob",
+                                                "instruction": "type it", "parameters": {"task": "g1"}},
+            "steps": [{"state": "s", "action": 'type [1] "x"', "next_state": "s", "reward": 1.0, "done": True}],
+            "success": True, "return": 1.0, "source": "real"}
+    (tmp_path / "seed.jsonl").write_text(json.dumps(seed) + "\n")
+    monkeypatch.setattr("sys.argv", ["action_format.py", "miniwob/real-ppo-seed1", "sim-to-real",
+                                     "--results", str(tmp_path), "--trajectories", str(tmp_path / "seed.jsonl")])
+    action_format.main()
+    assert capsys.readouterr().out.endswith("type 12%; on typing tasks 1 games, typed in 1, won 0\n")
     monkeypatch.setattr("sys.argv", ["action_format.py", "miniwob/real-ppo-seed1", "synthetic_ppo",
                                      "--results", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"miniwob/real-ppo-seed1: no games of policy 'synthetic_ppo'"):
         action_format.main()
+
+
+def test_synthetic_verbs_splits_episodes_by_whether_their_task_needs_typing(tmp_path, capsys, monkeypatch):
+    """research/synthetic_verbs.py: a task kind whose seed wins all type needs typing; each synthetic episode counts
+    in its split, and a simulated win on a typing task that never typed is listed with the simulator's reasoning."""
+    from components.data.contract import Step, Task, Trajectory
+    from research import synthetic_verbs
+
+    def episode(kind: str, actions: list[str], won: bool, fallback: bool = False) -> Trajectory:
+        steps = [Step("s", action, "s", float(won and i == len(actions) - 1), i == len(actions) - 1,
+                      {"fallback": fallback, "reasoning": "Reward 1: the task is complete"})
+                 for i, action in enumerate(actions)]
+        task = Task(f"miniwob-{kind}-s1", "miniwob", "do it", {"task": kind})
+        return Trajectory(f"{kind}-{len(actions)}-{won}", task, steps, won, float(won), "synthetic")
+
+    seed = [episode("enter-text", ['type [1] "a"', "click [2]"], True), episode("click-button", ["click [1]"], True),
+            episode("click-button", ['type [1] "b"', "click [1]"], True)]
+    (tmp_path / "seed.jsonl").write_text("".join(json.dumps(t.to_dict()) + "\n" for t in seed))
+    synthetic = [episode("enter-text", ["click [2]"], True),
+                 episode("enter-text", ['type [1] "a"', "click [2]"], True),
+                 episode("enter-text", ['type [1] "a"'], False, fallback=True),
+                 episode("click-button", ["click [1]"], False)]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps({"iteration": 1, "trajectory": t.to_dict()}) + "\n"
+                                                     for t in synthetic))
+    monkeypatch.setattr("sys.argv", ["synthetic_verbs.py", str(tmp_path / "episodes.jsonl"),
+                                     "--trajectories", str(tmp_path / "seed.jsonl")])
+    synthetic_verbs.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "task kinds the seed wins only by typing: enter-text"
+    name = tmp_path / "episodes.jsonl"
+    assert out[1:4] == [f"{name}: other task, never typed: 1 episodes, simulator won 0 (0%), 0 ended on a fallback",
+                        f"{name}: typing task, never typed: 1 episodes, simulator won 1 (100%), 0 ended on a fallback",
+                        f"{name}: typing task, typed: 2 episodes, simulator won 1 (50%), 1 ended on a fallback"]
+    assert out[4].startswith("  won without typing: miniwob-enter-text-s1 ['click [2]']")
+    monkeypatch.setattr("sys.argv", ["synthetic_verbs.py", "no-such-file.jsonl"])
+    with pytest.raises(SystemExit, match="no-such-file.jsonl: no such file"):
+        synthetic_verbs.main()
 
 
 def test_a_claim_pairs_the_games_both_methods_played(tmp_path):
