@@ -19,11 +19,39 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from components.data.contract import read_trajectories
+from components.data.contract import Trajectory, read_trajectories
 from components.results.study import KEPT_GAMES
-from research.synthetic_verbs import TYPING, kind_of, typing_families
 
 COMMAND = re.compile(r"\b(click|type|select|press) \[")  # the web adapter's action verbs, each with an element
+
+
+def verb(action: str) -> str:
+    """An action's first command's verb (`other` where it has none: TextWorld's commands, a broken reply)."""
+    return match[1] if (match := COMMAND.search(action)) else "other"
+
+
+def kind_of(environment: str, task_id: str) -> str:
+    """A task id without its environment and seed (`miniwob-enter-text-s42` is `enter-text`)."""
+    return task_id.removeprefix(f"{environment}-").rsplit("-s", 1)[0]
+
+
+def family(trajectory: Trajectory) -> str:
+    """A task's kind (MiniWoB's `task` parameter, else `kind_of` its id), so variations count as their base."""
+    task = trajectory.task
+    return str(task.parameters.get("task") or kind_of(task.environment, task.task_id))
+
+
+def typed(actions: list[str]) -> bool:
+    return any(verb(action) == "type" for action in actions)
+
+
+def typing_families(seed: list[Trajectory]) -> set[str]:
+    """Task kinds whose every real won seed episode types: kinds that are not won without typing."""
+    wins: dict[str, list[bool]] = {}
+    for trajectory in seed:
+        if trajectory.success:
+            wins.setdefault(family(trajectory), []).append(typed([step.action for step in trajectory.steps]))
+    return {kind for kind, typing in wins.items() if all(typing)}
 
 
 def main() -> None:
@@ -48,14 +76,13 @@ def main() -> None:
         turns = max(int(game["steps"]) for game in games)
         looping = sum(int(game["steps"]) == turns and len(set(played)) <= 2 for game, played in zip(games, actions))
         won = sum(game["won"] == "1" for game in games)
-        verbs = Counter(match[1] if (match := COMMAND.search(action)) else "other"
-                        for played in actions for action in played)
+        verbs = Counter(verb(action) for played in actions for action in played)
         total = sum(verbs.values())
         mix = ", ".join(f"{verb} {count / total:.0%}" for verb, count in verbs.most_common())
         needs_typing = [(game, played) for game, played in zip(games, actions)
                         if kind_of(game["environment"], game["task_id"]) in typing]
         on_typing = (f"; on typing tasks {len(needs_typing)} games, typed in "
-                     f"{sum(any(a.startswith(TYPING) for a in played) for _, played in needs_typing)}, won "
+                     f"{sum(typed(played) for _, played in needs_typing)}, won "
                      f"{sum(game['won'] == '1' for game, _ in needs_typing)}") if needs_typing else ""
         print(f"{run} {policy}: {len(games)} games, won {won}; an action of several commands in {stacked}; "
               f"all {turns} turns on at most two distinct actions in {looping}; {total} actions: {mix}{on_typing}")

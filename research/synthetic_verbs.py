@@ -18,8 +18,11 @@ from collections import Counter
 from pathlib import Path
 
 from components.data.contract import Trajectory, read_trajectories
+from research.action_format import family, typed, typing_families
 
-TYPING = "type ["
+
+def typed_episode(episode: Trajectory) -> bool:
+    return typed([step.action for step in episode.steps])
 
 
 def episode_lines(source: str) -> list[str]:
@@ -33,36 +36,12 @@ def episode_lines(source: str) -> list[str]:
     return shown.stdout.splitlines()
 
 
-def kind_of(environment: str, task_id: str) -> str:
-    """A task id without its environment and seed (`miniwob-enter-text-s42` is `enter-text`)."""
-    return task_id.removeprefix(f"{environment}-").rsplit("-s", 1)[0]
-
-
-def family(trajectory: Trajectory) -> str:
-    """A task's kind (MiniWoB's `task` parameter, else `kind_of` its id), so variations count as their base."""
-    task = trajectory.task
-    return str(task.parameters.get("task") or kind_of(task.environment, task.task_id))
-
-
-def typed(trajectory: Trajectory) -> bool:
-    return any(step.action.startswith(TYPING) for step in trajectory.steps)
-
-
-def typing_families(seed: list[Trajectory]) -> set[str]:
-    """Task kinds whose every real won seed episode types: kinds that are not won without typing."""
-    wins: dict[str, list[bool]] = {}
-    for trajectory in seed:
-        if trajectory.success:
-            wins.setdefault(family(trajectory), []).append(typed(trajectory))
-    return {kind for kind, typing in wins.items() if all(typing)}
-
-
 def splits(episodes: list[Trajectory], typing: set[str]) -> Counter:
     """(split, measure) -> count: episodes, simulated wins and episodes ended on a fallback per split."""
     counts: Counter = Counter()
     for episode in episodes:
         split = (f"{'typing' if family(episode) in typing else 'other'} task, "
-                 f"{'typed' if typed(episode) else 'never typed'}")
+                 f"{'typed' if typed_episode(episode) else 'never typed'}")
         counts[split, "episodes"] += 1
         counts[split, "won"] += episode.success
         counts[split, "fell back"] += any(step.info.get("fallback") for step in episode.steps)
@@ -90,7 +69,7 @@ def main() -> None:
         counts = splits(episodes, typing)
         report(source, counts)
         pooled.update(counts)
-        untyped_wins += [e for e in episodes if e.success and family(e) in typing and not typed(e)]
+        untyped_wins += [e for e in episodes if e.success and family(e) in typing and not typed_episode(e)]
     if len(args.episodes) > 1:
         report("pooled", pooled)
     for episode in untyped_wins:
