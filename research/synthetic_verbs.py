@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("episodes", nargs="+")
     parser.add_argument("--trajectories", type=Path, default=Path("data/trajectories.jsonl"))
     args = parser.parse_args()
+    if not args.trajectories.is_file():
+        raise SystemExit(f"{args.trajectories}: no seed trajectories (`dvc checkout data.dvc`, or --trajectories)")
     typing = typing_families(read_trajectories(args.trajectories))
     print(f"task kinds the seed wins only by typing: {', '.join(sorted(typing)) or 'none'}")
     pooled: Counter = Counter()

@@ -740,8 +740,12 @@ def test_synthetic_verbs_splits_episodes_by_whether_their_task_needs_typing(tmp_
                         f"{name}: typing task, never typed: 1 episodes, simulator won 1 (100%), 0 ended on a fallback",
                         f"{name}: typing task, typed: 2 episodes, simulator won 1 (50%), 1 ended on a fallback"]
     assert out[4].startswith("  won without typing: miniwob-enter-text-s1 ['click [2]']")
-    monkeypatch.setattr("sys.argv", ["synthetic_verbs.py", "no-such-file.jsonl"])
+    monkeypatch.setattr("sys.argv", ["synthetic_verbs.py", "no-such-file.jsonl",
+                                     "--trajectories", str(tmp_path / "seed.jsonl")])
     with pytest.raises(SystemExit, match="no-such-file.jsonl: no such file"):
+        synthetic_verbs.main()
+    monkeypatch.setattr("sys.argv", ["synthetic_verbs.py", str(name), "--trajectories", str(tmp_path / "none.jsonl")])
+    with pytest.raises(SystemExit, match=r"none.jsonl: no seed trajectories \(`dvc checkout data.dvc`"):
         synthetic_verbs.main()
 
 
