@@ -671,6 +671,33 @@ def test_pair_games_pairs_two_runs_policies_and_names_what_a_run_lacks(tmp_path,
         pair_games.main()
 
 
+def test_against_warm_start_pairs_each_policy_with_the_games_of_its_own_warm_start(tmp_path, capsys, monkeypatch):
+    """research/against_warm_start.py: each kept policy against the games of the model it started from (the study's
+    warm start names), a reading only where the sign test clears alpha, and a run whose warm start no run played
+    named rather than paired with another model of its seed."""
+    from research import against_warm_start
+    tw = "textworld-cooking"
+    one, two = {"final_loss": 0.006}, {"final_loss": 0.0048}  # two trainings of seed 1: two models
+    for name, label, won, record in (("sft-only-seed1", "sft_warm_start", set(range(8)), one),
+                                     ("real-ppo-seed1", "sim-to-real", set(), one),  # lost all 8: p = 0.0078
+                                     ("real-grpo-seed1", "sim-to-real", {0}, two)):
+        _run(tmp_path, f"{tw}/{name}", {label: {tw: _evaluation(len(won), 12)}}, start_from="sft")
+        (tmp_path / tw / name / "train_policy_sft.json").write_text(json.dumps(record))
+        _games(tmp_path / tw / name, label, won)
+    _run(tmp_path, f"{tw}/dreamgym-grpo-seed2", {"sft_warm_start": {tw: _evaluation(2, 12)},
+                                                 "synthetic_grpo": {tw: _evaluation(3, 12)}})
+    (tmp_path / tw / "dreamgym-grpo-seed2" / "train_policy_sft.json").write_text(json.dumps(one))
+    _games(tmp_path / tw / "dreamgym-grpo-seed2", "sft_warm_start", {0, 1})
+    _games(tmp_path / tw / "dreamgym-grpo-seed2", "synthetic_grpo", {0, 1, 2})  # one game more: no difference
+    monkeypatch.setattr("sys.argv", ["against_warm_start.py", "--results", str(tmp_path)])
+    against_warm_start.main()
+    out = capsys.readouterr().out
+    assert f"| {tw}/real-ppo-seed1 | 1b | sim-to-real | 12 | 0 | 8 | 0 | 8 | 0.0078 | lost |" in out
+    assert f"| {tw}/dreamgym-grpo-seed2 | 2a | synthetic_grpo | 12 | 3 | 2 | 1 | 0 | 1 | no difference |" in out
+    assert "2 policies: 0 won and 1 lost" in out and f"(Bonferroni): {tw}/real-ppo-seed1 sim-to-real (lost" in out
+    assert f"no run played their warm start on the held-out games: {tw}/real-grpo-seed1 (warm start 1a)" in out
+
+
 def test_action_format_counts_games_with_stacked_commands_and_games_stuck_in_a_loop(tmp_path, capsys, monkeypatch):
     """research/action_format.py: a game with an action holding several commands, a game that ran out of turns on at
     most two distinct actions, and a game an environment failure ended (left out, as the verdicts leave it out)."""
