@@ -638,6 +638,34 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     assert "the paper's" not in claims_reading(comparisons(ppo, ("grpo", "ppo")), ppo, {}, ("grpo", "ppo")).split(
         "DreamGym (PPO) against SFT only")[1].split("\n")[0]
 
+def test_a_reading_against_a_baseline_that_lost_to_the_warm_start_says_so():
+    """A claim that DreamGym matches or beats real-only RL reads differently when real-only RL fell below the warm
+    start it trained from: the reading gives that paired evidence, on the comparison's own seeds only."""
+    tw = "textworld-cooking"
+
+    def outcomes(won_by_seed):  # seed -> the first `won` of 100 games
+        return {(seed, f"g{i}"): i < won for seed, won in won_by_seed.items() for i in range(100)}
+    wins = {"SFT only": {0: 40, 1: 40}, "DreamGym (GRPO)": {0: 41, 1: 40},
+            "GRPO in the real environment": {0: 38, 1: 5}}
+    games = {(method, tw): outcomes(won) for method, won in wins.items()}
+
+    def found(seeds):
+        metrics = {method: {tw: {**_rates(sum(won[s] for s in seeds), 100 * len(seeds)), "seeds": seeds}}
+                   for method, won in wins.items()}
+        made = {(c.method_a, c.method_b): c for c in comparisons(metrics, ("grpo",), games)}
+        return made, claims_reading(list(made.values()), metrics, {}, ("grpo",))
+
+    made, reading = found([0])  # on seed 0 real-only RL is 2 games behind the warm start: nothing to say
+    assert made[("DreamGym (GRPO)", "GRPO in the real environment")].b_below_warm_start == ""
+    assert "itself lost" not in reading
+    made, reading = found([0, 1])  # seed 1's 35 games lost are
+    assert made[("DreamGym (GRPO)", "GRPO in the real environment")].b_below_warm_start.startswith(
+        "of 200 games both played, B alone won 0, SFT only alone 37; sign test p = 1.5e-11")
+    assert made[("DreamGym (GRPO)", "SFT only")].b_below_warm_start == ""  # the warm start is no baseline of itself
+    assert "B itself lost to SFT only on these seeds (of 200 games both played, B alone won 0, SFT only alone 37; " \
+           "sign test p = 1.5e-11), so a lead of A over B measures B's decline as much as A's standing." in reading
+
+
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):
     """A kept games file's rows for one policy: it won the games numbered in `won`, of games g0..g<played-1>."""
     path = run_dir / "evaluate_policies_games.csv"

@@ -743,6 +743,7 @@ class Comparison:
     observed: float | None = None  # A - B in success rate
     detectable: float | None = None  # the smallest true A - B found with 80% power here
     other_warm_starts: tuple[int, ...] = ()  # seeds whose A and B runs started from different models (`warm_starts`)
+    b_below_warm_start: str = ""  # where B lost to the warm start on the same seeds' games: the paired evidence
 
     @property
     def outcome(self) -> str:
@@ -791,9 +792,11 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
             pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
             other = tuple(seed for seed in sorted(set(ra.get("seeds", [])) & set(rb.get("seeds", [])))
                           if _other_starts(start_of.get((a, environment, seed)), start_of.get((b, environment, seed))))
+            below = _below_warm_start(b, environment, set(ra.get("seeds", [])) & set(rb.get("seeds", [])), games,
+                                      start_of, confidence)
             found.append(Comparison(claim, algorithm, claim.text.format(share=_share(ra, rb)), environment, a, b, ra,
                                     rb, pairs, _verdict(ra, rb, claim.kind, pairs, confidence),
-                                    *_difference(ra, rb, pairs, confidence), other))
+                                    *_difference(ra, rb, pairs, confidence), other, below))
         if claim.kind == "better with generated tasks":  # the answer is known without the ablation's run
             for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
                 ra = metrics[a][environment]
@@ -802,6 +805,26 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
                                             "not tested: the curriculum accepted no generated task, so B would play "
                                             "A's tasks"))
     return found
+
+
+def _below_warm_start(method: str, environment: str, seeds: set[int],
+                      games: dict[tuple[str, str], dict[tuple[int, str], bool]],
+                      start_of: dict[tuple[str, str, int], str], confidence: float) -> str:
+    """Where `method`, trained from the warm start, lost to it on `seeds`' held-out games (the exact sign test at
+    1 - confidence): the evidence, for a reading of a claim against it; "" otherwise. A claim that A matches or
+    beats such a B measures B's decline as much as A's standing."""
+    mine, warm = games.get((method, environment)), games.get((WARM_START_METHOD, environment))
+    if method == WARM_START_METHOD or not mine or not warm:
+        return ""
+    pairs = _pairs({game: won for game, won in mine.items() if game[0] in seeds}, warm)
+    if pairs is None or sign_test(pairs[1], pairs[2]) >= 1 - confidence or pairs[1] >= pairs[2]:
+        return ""
+    other = [seed for seed in sorted(seeds) if _other_starts(start_of.get((method, environment, seed)),
+                                                             start_of.get((WARM_START_METHOD, environment, seed)))]
+    return (f"of {pairs[0]} games both played, B alone won {pairs[1]}, {WARM_START_METHOD} alone {pairs[2]}; sign "
+            f"test p = {sign_test(pairs[1], pairs[2]):.2g}" + (
+                f"; on seed{'s' * (len(other) > 1)} {', '.join(map(str, other))} B started from another model than "
+                f"the warm start {WARM_START_METHOD} played" if other else ""))
 
 
 def _other_starts(a: str | None, b: str | None) -> bool:
@@ -911,6 +934,9 @@ def _reading(comparison: Comparison) -> str:
     if still:
         meaning += (f" In {' and '.join(still)}, no RL iteration had a gradient (each group's episodes scored alike), "
                     "so RL left the policy it started from as it was.")
+    if c.b_below_warm_start:
+        meaning += (f" B itself lost to {WARM_START_METHOD} on these seeds ({c.b_below_warm_start}), so a lead of A "
+                    "over B measures B's decline as much as A's standing.")
     if c.other_warm_starts:
         which = f"seed{'s' * (len(c.other_warm_starts) > 1)} {', '.join(map(str, c.other_warm_starts))}"
         meaning += (f" On {which}, A and B started from different warm starts (the runs table's), so their games "
