@@ -903,6 +903,11 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     assert metrics["DreamGym-S2R (GRPO)"][tw]["successes"] == 3
     assert "| dreamgym-grpo-seed0 | quick | e54f2c8a | ? | 10.0 | ? | 5.0 | 2 | 32 | 0.2% | 1/3 |" in text  # not "0%"
     assert "| synthetic_rl | 1 | 2/2 | 16 | 1/2; 0/1 |" in text  # its real RL won its 2 episodes, learning nothing
+    # episodes on curriculum variations have no real game: the audit names them rather than leaving them out unsaid
+    audit = json.loads((run_dir / "evaluate_policies.json").read_text())
+    audit["synthetic_replay"][tw]["unreplayable"] = 5
+    (run_dir / "evaluate_policies.json").write_text(json.dumps(audit))
+    assert "| 0.2% | 1/3 (+5 on variations: no real game) |" in report(results, 0.95, ("grpo",))[1]
     assert metrics["DreamGym-S2R (GRPO)"][tw]["runs_never_updated"] == 1
     assert metrics["DreamGym (GRPO)"][tw]["runs_never_updated"] == 0
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text

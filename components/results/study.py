@@ -1255,11 +1255,14 @@ def _gradient_iterations(run: Run) -> str:
 
 def _confirmed_wins(run: Run) -> str:
     """Of the episodes synthetic RL won inside the experience model, how many win when their actions are replayed in
-    the real environment (evaluate_policies' replay audit): how far the simulator's rewards can be trusted."""
+    the real environment (evaluate_policies' replay audit): how far the simulator's rewards can be trusted. Episodes
+    on curriculum variations have no real game to replay them in: counted beside, as the audit could not judge them."""
     audits = run.evaluated.get("synthetic_replay", {}).values()
     if not audits:
         return "-"
-    return f"{sum(a['both'] for a in audits)}/{sum(a['synthetic_successes'] for a in audits)}"
+    unreplayable = sum(a.get("unreplayable", 0) for a in audits)
+    return (f"{sum(a['both'] for a in audits)}/{sum(a['synthetic_successes'] for a in audits)}"
+            + (f" (+{unreplayable} on variations: no real game)" if unreplayable else ""))
 
 
 def _curve_method(run: Run, stage: str) -> str:
