@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from components.results.study import finished_runs, sign_test, warm_starts
-
-WARM_START = "sft_warm_start"
+from components.results.study import WARM_START_LABEL, finished_runs, sign_test, warm_starts
 
 
 def kept_policies(results: Path) -> tuple[dict[tuple[str, str, str], dict[str, bool]], dict[str, str]]:
@@ -36,16 +34,16 @@ def main() -> None:
     args = parser.parse_args()
     policies, starts = kept_policies(args.results)
     warm = {(environment, starts[run]): outcomes for (environment, run, policy), outcomes in policies.items()
-            if policy == WARM_START}
+            if policy == WARM_START_LABEL and starts[run] != "?"}
     readings = []
     print("| run | warm start | policy | games | wins | warm start wins | alone | warm start alone | p | reading |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     unpaired = set()
     for (environment, run, policy), outcomes in sorted(policies.items()):
         start = starts[run]
-        if policy == WARM_START:
+        if policy == WARM_START_LABEL:
             continue
-        if (environment, start) not in warm:
+        if (environment, start) not in warm:  # "?" (no training record) is never paired: it names no model
             unpaired.add(f"{run} (warm start {start})")
             continue
         base = warm[(environment, start)]
@@ -64,8 +62,8 @@ def main() -> None:
     survivors = [f"{name} ({reading}, p = {p:.2g})" for p, reading, name in readings if p < args.alpha / len(readings)]
     won = sum(reading == "won" for _, reading, _ in moved)
     print(f"\n{len(readings)} policies: {won} won and {len(moved) - won} lost against their warm start at "
-          f"p < {args.alpha} ({args.alpha * len(readings):.1f} expected by chance if none "
-          f"moved); p < {args.alpha / len(readings):.2g} (Bonferroni): {'; '.join(survivors) or 'none'}")
+          f"p < {args.alpha} (about {args.alpha * len(readings):.1f} in all expected by chance if none moved); "
+          f"p < {args.alpha / len(readings):.2g} (Bonferroni): {'; '.join(survivors) or 'none'}")
     if unpaired:
         print(f"\nleft out, as no run played their warm start on the held-out games: {'; '.join(sorted(unpaired))}")
 

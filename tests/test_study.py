@@ -638,6 +638,7 @@ def test_the_reading_weighs_each_verdict_against_the_papers_gap_and_says_why_a_c
     assert "the paper's" not in claims_reading(comparisons(ppo, ("grpo", "ppo")), ppo, {}, ("grpo", "ppo")).split(
         "DreamGym (PPO) against SFT only")[1].split("\n")[0]
 
+
 def test_a_reading_against_a_baseline_that_lost_to_the_warm_start_says_so():
     """A claim that DreamGym matches or beats real-only RL reads differently when real-only RL fell below the warm
     start it trained from: the reading gives that paired evidence, on the comparison's own seeds only."""
@@ -658,12 +659,24 @@ def test_a_reading_against_a_baseline_that_lost_to_the_warm_start_says_so():
     made, reading = found([0])  # on seed 0 real-only RL is 2 games behind the warm start: nothing to say
     assert made[("DreamGym (GRPO)", "GRPO in the real environment")].b_below_warm_start == ""
     assert "itself lost" not in reading
-    made, reading = found([0, 1])  # seed 1's 35 games lost are
+    made, reading = found([0, 1])  # with seed 1's 35 games lost, it is
     assert made[("DreamGym (GRPO)", "GRPO in the real environment")].b_below_warm_start.startswith(
         "of 200 games both played, B alone won 0, SFT only alone 37; sign test p = 1.5e-11")
     assert made[("DreamGym (GRPO)", "SFT only")].b_below_warm_start == ""  # the warm start is no baseline of itself
     assert "B itself lost to SFT only on these seeds (of 200 games both played, B alone won 0, SFT only alone 37; " \
-           "sign test p = 1.5e-11), so a lead of A over B measures B's decline as much as A's standing." in reading
+           "sign test p = 1.5e-11), so part of any lead of A over B is B's fall below its warm start." in reading
+    # a seed where B started from another model than the warm start SFT only played is not B's own loss: left out
+    from components.results.study import _below_warm_start
+    starts = {"SFT only": {0: "0a", 1: "1a"}, "DreamGym (GRPO)": {0: "0a", 1: "1a"},
+              "GRPO in the real environment": {0: "0a", 1: "1b"}}
+    assert _below_warm_start("GRPO in the real environment", tw, {0, 1}, games,
+                             {(m, tw, seed): name for m, by_seed in starts.items() for seed, name in by_seed.items()},
+                             0.95) == ""
+    starts["GRPO in the real environment"] = {0: "0b", 1: "1a"}  # seed 1's loss is its own, seed 0 is named
+    assert _below_warm_start("GRPO in the real environment", tw, {0, 1}, games,
+                             {(m, tw, seed): name for m, by_seed in starts.items() for seed, name in by_seed.items()},
+                             0.95).endswith("sign test p = 5.8e-11; seed 0 left out, where B started from another "
+                                            "model than the warm start SFT only played")
 
 
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):
@@ -907,7 +920,7 @@ def test_kept_runs_make_a_report_with_runs_and_learning_curves(tmp_path):
     audit = json.loads((run_dir / "evaluate_policies.json").read_text())
     audit["synthetic_replay"][tw]["unreplayable"] = 5
     (run_dir / "evaluate_policies.json").write_text(json.dumps(audit))
-    assert "| 0.2% | 1/3 (+5 on variations: no real game) |" in report(results, 0.95, ("grpo",))[1]
+    assert "| 0.2% | 1/3 (5 episodes on variations not replayable) |" in report(results, 0.95, ("grpo",))[1]
     assert metrics["DreamGym-S2R (GRPO)"][tw]["runs_never_updated"] == 1
     assert metrics["DreamGym (GRPO)"][tw]["runs_never_updated"] == 0
     assert "1 finished runs" in text and "## The paper's claims at this scale" in text

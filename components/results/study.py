@@ -790,10 +790,10 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
         for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
             ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence)
             pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
-            other = tuple(seed for seed in sorted(set(ra.get("seeds", [])) & set(rb.get("seeds", [])))
+            seeds = set(ra.get("seeds", [])) & set(rb.get("seeds", []))
+            other = tuple(seed for seed in sorted(seeds)
                           if _other_starts(start_of.get((a, environment, seed)), start_of.get((b, environment, seed))))
-            below = _below_warm_start(b, environment, set(ra.get("seeds", [])) & set(rb.get("seeds", [])), games,
-                                      start_of, confidence)
+            below = _below_warm_start(b, environment, seeds, games, start_of, confidence)
             found.append(Comparison(claim, algorithm, claim.text.format(share=_share(ra, rb)), environment, a, b, ra,
                                     rb, pairs, _verdict(ra, rb, claim.kind, pairs, confidence),
                                     *_difference(ra, rb, pairs, confidence), other, below))
@@ -810,21 +810,20 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
 def _below_warm_start(method: str, environment: str, seeds: set[int],
                       games: dict[tuple[str, str], dict[tuple[int, str], bool]],
                       start_of: dict[tuple[str, str, int], str], confidence: float) -> str:
-    """Where `method`, trained from the warm start, lost to it on `seeds`' held-out games (the exact sign test at
-    1 - confidence): the evidence, for a reading of a claim against it; "" otherwise. A claim that A matches or
-    beats such a B measures B's decline as much as A's standing."""
+    """Where `method`, trained from the warm start, lost to it on the held-out games of `seeds` (the exact sign test
+    at 1 - confidence), the paired evidence, for the reading of a claim against it; "" otherwise. A seed where the
+    method started from another model than the one SFT only played is left out: that loss would not be its own."""
     mine, warm = games.get((method, environment)), games.get((WARM_START_METHOD, environment))
     if method == WARM_START_METHOD or not mine or not warm:
         return ""
-    pairs = _pairs({game: won for game, won in mine.items() if game[0] in seeds}, warm)
-    if pairs is None or sign_test(pairs[1], pairs[2]) >= 1 - confidence or pairs[1] >= pairs[2]:
+    other = sorted(seed for seed in seeds if _other_starts(start_of.get((method, environment, seed)),
+                                                           start_of.get((WARM_START_METHOD, environment, seed))))
+    pairs = _pairs({game: won for game, won in mine.items() if game[0] in seeds - set(other)}, warm)
+    if pairs is None or pairs[1] >= pairs[2] or sign_test(pairs[1], pairs[2]) >= 1 - confidence:
         return ""
-    other = [seed for seed in sorted(seeds) if _other_starts(start_of.get((method, environment, seed)),
-                                                             start_of.get((WARM_START_METHOD, environment, seed)))]
-    return (f"of {pairs[0]} games both played, B alone won {pairs[1]}, {WARM_START_METHOD} alone {pairs[2]}; sign "
-            f"test p = {sign_test(pairs[1], pairs[2]):.2g}" + (
-                f"; on seed{'s' * (len(other) > 1)} {', '.join(map(str, other))} B started from another model than "
-                f"the warm start {WARM_START_METHOD} played" if other else ""))
+    return _paired_evidence(pairs, "B", WARM_START_METHOD) + (
+        f"; seed{'s' * (len(other) > 1)} {', '.join(map(str, other))} left out, where B started from another model "
+        f"than the warm start {WARM_START_METHOD} played" if other else "")
 
 
 def _other_starts(a: str | None, b: str | None) -> bool:
@@ -935,8 +934,8 @@ def _reading(comparison: Comparison) -> str:
         meaning += (f" In {' and '.join(still)}, no RL iteration had a gradient (each group's episodes scored alike), "
                     "so RL left the policy it started from as it was.")
     if c.b_below_warm_start:
-        meaning += (f" B itself lost to {WARM_START_METHOD} on these seeds ({c.b_below_warm_start}), so a lead of A "
-                    "over B measures B's decline as much as A's standing.")
+        meaning += (f" B itself lost to {WARM_START_METHOD} on these seeds ({c.b_below_warm_start}), so part of any "
+                    "lead of A over B is B's fall below its warm start.")
     if c.other_warm_starts:
         which = f"seed{'s' * (len(c.other_warm_starts) > 1)} {', '.join(map(str, c.other_warm_starts))}"
         meaning += (f" On {which}, A and B started from different warm starts (the runs table's), so their games "
@@ -983,6 +982,13 @@ def _pairs(a: dict[tuple[int, str], bool] | None, b: dict[tuple[int, str], bool]
     return len(common), sum(a[g] and not b[g] for g in common), sum(b[g] and not a[g] for g in common)
 
 
+def _paired_evidence(pairs: tuple[int, int, int], a: str = "A", b: str = "B") -> str:
+    """The games two policies both played, those only each one won, and the exact sign test on them."""
+    shared, a_only, b_only = pairs
+    return (f"of {shared} games both played, {a} alone won {a_only}, {b} alone {b_only}; sign test p = "
+            f"{sign_test(a_only, b_only):.2g}")
+
+
 def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, int, int] | None = None,
              confidence: float = 0.95) -> str:
     if kind == "better with generated tasks" and not a.get("generated_tasks_mean"):
@@ -990,10 +996,10 @@ def _verdict(a: dict[str, Any], b: dict[str, Any], kind: str, pairs: tuple[int, 
     if a["successes"] == 0 and b["successes"] == 0:
         return "not testable: neither won a game"
     if pairs is not None:
-        shared, a_only, b_only = pairs
+        _, a_only, b_only = pairs
         p = sign_test(a_only, b_only)
         leaning = "A higher" if a_only > b_only else ("A lower" if a_only < b_only else "tied")
-        evidence = f"of {shared} games both played, A alone won {a_only}, B alone {b_only}; sign test p = {p:.2g}"
+        evidence = _paired_evidence(pairs)
         if p < 1 - confidence:
             return f"{'supported' if a_only > b_only else 'contradicted'}: {leaning}, {evidence}"
         return f"{'not contradicted' if kind == 'not worse' else 'not resolved'}: {leaning}, {evidence}"
@@ -1262,7 +1268,7 @@ def _confirmed_wins(run: Run) -> str:
         return "-"
     unreplayable = sum(a.get("unreplayable", 0) for a in audits)
     return (f"{sum(a['both'] for a in audits)}/{sum(a['synthetic_successes'] for a in audits)}"
-            + (f" (+{unreplayable} on variations: no real game)" if unreplayable else ""))
+            + (f" ({unreplayable} episodes on variations not replayable)" if unreplayable else ""))
 
 
 def _curve_method(run: Run, stage: str) -> str:
