@@ -221,7 +221,11 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
     assert finished_runs(results)[0].from_scratch_seconds == 3000 + 1200 + 2400 + 600 + 600
     assert f"| {tw}/dreamgym-grpo-seed0 | cpu | ? | 0a | 20.0 | 130.0 |" in text
     assert f"| {tw}/dreamgym-grpo-seed1 | not run yet | about 130 (mean of 1) |" in text
+    # the seed's own DreamGym run judges its ablation; a seed whose run has not finished is judged by the others
     assert (f"| {tw}/no-curriculum-seed0 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed "
+            "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in "
+            f"{tw}/dreamgym-grpo-seed0, so DreamGym played the base task schedule") in text
+    assert (f"| {tw}/no-curriculum-seed1 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed "
             "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in its 1 finished run(s) "
             f"on {tw}, so DreamGym played the base task schedule") in text
     assert f"`dreamgym study run {tw}/no-curriculum-seed0` runs it anyway |" in text
@@ -245,6 +249,17 @@ def test_a_row_costs_its_stages_from_scratch_and_one_the_finished_runs_show_tell
         other = plan(_cpu_study(seeds=[0], variants=["no-curriculum"], environments=[environment]), 28)
         assert f"| {environment}/no-curriculum-seed0 | not run yet |" in report(results, 0.95, ("grpo",), other,
                                                                                  "cpu")[1]
+    # once seed 1's DreamGym run wrote no task, its ablation tells nothing though seed 0's wrote one
+    (run_dir / "synthetic_rl.json").write_text(json.dumps({"seconds": 2400.0, "curriculum": {**curriculum,
+                                                                                             "accepted": 1}}))
+    _run(results, f"{tw}/dreamgym-grpo-seed1", {"synthetic_grpo": {tw: _evaluation(1, 4)}})
+    (results / tw / "dreamgym-grpo-seed1" / "synthetic_rl.json").write_text(json.dumps({"curriculum": curriculum}))
+    _, text = report(results, 0.95, ("grpo",), planned, "cpu")
+    assert f"| {tw}/no-curriculum-seed0 | not run yet |" in text
+    assert f"| {tw}/no-curriculum-seed1 | not informative: DreamGym (GRPO)'s curriculum accepted 0 of 6 proposed " \
+           "variations (`python research/curriculum_backbone.py N` asks a backbone for N) in " \
+           f"{tw}/dreamgym-grpo-seed1" in text
+    shutil.rmtree(results / tw / "dreamgym-grpo-seed1")
     # rows of one environment and seed share the warm start (20 of each row's 130 minutes) and, where they set the
     # same experience_model params, the experience model (50): in one workspace DVC trains each once. no-retrieval
     # sets experience_model.prompt.use_retrieval, so it trains its own: 3 x 130 - 3 x 70 + 2 x 20 + 3 x 50 = 370
@@ -677,6 +692,29 @@ def test_a_reading_against_a_baseline_that_lost_to_the_warm_start_says_so():
                              {(m, tw, seed): name for m, by_seed in starts.items() for seed, name in by_seed.items()},
                              0.95).endswith("sign test p = 5.8e-11; seed 0 left out, where B started from another "
                                             "model than the warm start SFT only played")
+
+
+def test_the_curriculum_claim_pools_only_the_seeds_whose_curriculum_wrote_a_task(tmp_path):
+    """Where DreamGym's curriculum accepted no variation, DreamGym played the ablation's schedule: that seed's games
+    tell sampling apart, not the curriculum, so the comparison leaves the seed out and says so."""
+    mw = "miniwob"
+    for seed, generated, dreamgym_won, ablation_won in ((0, 0, set(range(12)), set()), (1, 2, {0, 1}, {0, 1, 2})):
+        for variant, won in (("dreamgym-grpo", dreamgym_won), ("no-curriculum", ablation_won)):
+            name = f"{mw}/{variant}-seed{seed}"
+            _run(tmp_path, name, {"synthetic_grpo": {mw: _evaluation(len(won), 12)}})
+            (tmp_path / name / "synthetic_rl.json").write_text(json.dumps(
+                {"synthetic_transitions": 10, "experience_model": {"fallback_rate": 0.0},
+                 "curriculum": {"curriculum_enabled": variant == "dreamgym-grpo", "generated_tasks": generated,
+                                "accepted": generated}}))
+            _games(tmp_path / name, "synthetic_grpo", won, environment=mw)
+    runs = finished_runs(tmp_path)
+    metrics, _ = aggregate(runs)
+    [found] = [c for c in comparisons(metrics, ("grpo",), paired_games(runs), runs=runs)
+               if c.method_b == "DreamGym (GRPO) w/o curriculum"]
+    assert (found.a["successes"], found.b["successes"], found.pairs) == (2, 3, (12, 0, 1))  # seed 1's 12 games only
+    assert found.untried_seeds == (0,)
+    assert "Left out: seed 0, where A's curriculum accepted no generated task, so A played B's tasks and the two " \
+           "differ by sampling alone." in claims_reading([found], metrics, {}, ("grpo",))
 
 
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):

@@ -284,9 +284,10 @@ def select_rows(planned: list[PlannedRun], names: list[str] | tuple[str, ...] = 
 def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
     """Why running `row` would tell nothing, by the finished runs: the warm start's row, when another run of its
     environment and seed evaluated the warm start (`measured_elsewhere`: it would play the same policy on the same
-    games); the no-curriculum ablation, when DreamGym (GRPO)'s curriculum on the row's environment accepted no
-    variation in any finished run (so DreamGym played the base task schedule, which the ablation plays: the two
-    differ by sampling alone). None when the row can tell something."""
+    games); the no-curriculum ablation, when DreamGym (GRPO)'s curriculum accepted no variation in the finished run
+    of the row's seed, or, before it finished, in any finished run of the row's environment (so DreamGym played the
+    base task schedule, which the ablation plays: the two differ by sampling alone). None when the row can tell
+    something."""
     if (measured := measured_elsewhere(row, runs)) is not None:
         return (f"not informative: {measured.name} played seed {row.seed}'s warm start on the held-out games, and "
                 "those games count as this row's")
@@ -294,14 +295,17 @@ def uninformative(row: PlannedRun, runs: list[Run]) -> str | None:
         return None
     base = [run for run in runs if run.variant.name == "dreamgym-grpo" and run.environment == row.environment
             and run.synthetic_rl.get("curriculum", {}).get("curriculum_enabled")]
-    if not base or any(run.synthetic_rl["curriculum"].get("accepted", 0) for run in base):
+    own = [run for run in base if run.seed == row.seed]
+    judged = own or base  # the seed's own DreamGym run once it has finished, else the environment's
+    if not judged or any(run.synthetic_rl["curriculum"].get("accepted", 0) for run in judged):
         return None
-    proposed = sum(run.synthetic_rl["curriculum"].get("proposed", 0) for run in base)
+    proposed = sum(run.synthetic_rl["curriculum"].get("proposed", 0) for run in judged)
     why = (f"accepted 0 of {proposed} proposed variations (`python research/curriculum_backbone.py N` asks a backbone "
            "for N)" if proposed else "proposed no variation (no task's reward variance reached "
            "synthetic_rl.curriculum.min_variance)")
-    return (f"not informative: DreamGym (GRPO)'s curriculum {why} in its {len(base)} finished run(s) on "
-            f"{row.environment}, so DreamGym played the base task schedule, which is what this ablation plays")
+    where = f"in {own[0].name}" if own else f"in its {len(base)} finished run(s) on {row.environment}"
+    return (f"not informative: DreamGym (GRPO)'s curriculum {why} {where}, so DreamGym played the base task "
+            "schedule, which is what this ablation plays")
 
 
 def keep_run(run_dir: str | Path, record: dict[str, Any], root: str | Path = ".",
@@ -744,6 +748,7 @@ class Comparison:
     detectable: float | None = None  # the smallest true A - B found with 80% power here
     other_warm_starts: tuple[int, ...] = ()  # seeds whose A and B runs started from different models (`warm_starts`)
     b_below_warm_start: str = ""  # where B lost to the warm start on the same seeds' games: the paired evidence
+    untried_seeds: tuple[int, ...] = ()  # the curriculum claim's seeds left out: A's curriculum wrote no task there
 
     @property
     def outcome(self) -> str:
@@ -788,15 +793,20 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
     found = []
     for claim, a, b, algorithm in claim_pairs(algorithm_names):
         for environment in sorted(set(metrics.get(a, {})) & set(metrics.get(b, {}))):
-            ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence)
-            pairs = _pairs(games.get((a, environment)), games.get((b, environment)))
+            tried = _seeds_with_generated_tasks(a, environment, runs) if claim.kind == "better with generated " \
+                "tasks" else None
+            ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence, tried)
             seeds = set(ra.get("seeds", [])) & set(rb.get("seeds", []))
+            pairs = _pairs(*({game: won for game, won in (games.get((method, environment)) or {}).items()
+                              if tried is None or game[0] in seeds} for method in (a, b)))
+            untried = sorted(set(metrics[a][environment].get("seeds", [])) & set(metrics[b][environment].get(
+                "seeds", [])) - seeds) if tried else []
             other = tuple(seed for seed in sorted(seeds)
                           if _other_starts(start_of.get((a, environment, seed)), start_of.get((b, environment, seed))))
             below = _below_warm_start(b, environment, seeds, games, start_of, confidence)
             found.append(Comparison(claim, algorithm, claim.text.format(share=_share(ra, rb)), environment, a, b, ra,
                                     rb, pairs, _verdict(ra, rb, claim.kind, pairs, confidence),
-                                    *_difference(ra, rb, pairs, confidence), other, below))
+                                    *_difference(ra, rb, pairs, confidence), other, below, tuple(untried)))
         if claim.kind == "better with generated tasks":  # the answer is known without the ablation's run
             for environment in sorted(set(metrics.get(a, {})) - set(metrics.get(b, {}))):
                 ra = metrics[a][environment]
@@ -805,6 +815,14 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
                                             "not tested: the curriculum accepted no generated task, so B would play "
                                             "A's tasks"))
     return found
+
+
+def _seeds_with_generated_tasks(method: str, environment: str, runs: list[Run] | None) -> set[int] | None:
+    """The seeds whose `method` run played tasks its curriculum generated: only there can it differ from the
+    ablation by more than sampling. None where no run is known or none played one (the claim is then not tested)."""
+    seeds = {run.seed for run, _, name, where, _ in _method_results(runs or []) if name == method
+             and where == environment and run.synthetic_rl.get("curriculum", {}).get("generated_tasks")}
+    return seeds or None
 
 
 def _below_warm_start(method: str, environment: str, seeds: set[int],
@@ -832,13 +850,14 @@ def _other_starts(a: str | None, b: str | None) -> bool:
 
 
 def matched_seeds(metrics: dict[str, Any], a: str, b: str, environment: str, runs: list[Run] | None,
-                  confidence: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Methods `a` and `b`'s pooled results on `environment`, over the seeds both have where `runs` are given and
-    their seeds differ (`aggregate` of those seeds' runs); as the table pools them otherwise, or where they share
-    no seed."""
+                  confidence: float, only: set[int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Methods `a` and `b`'s pooled results on `environment`, over the seeds both have (of `only`, where it shares
+    one with them) where `runs` are given and their seeds differ (`aggregate` of those seeds' runs); as the table
+    pools them otherwise, or where they share no seed."""
     ra, rb = metrics[a][environment], metrics[b][environment]
     common = set(ra.get("seeds", [])) & set(rb.get("seeds", []))
-    if runs is None or not common or ra.get("seeds") == rb.get("seeds"):
+    common = common & only if only and common & only else common
+    if runs is None or not common or set(ra.get("seeds", [])) == common == set(rb.get("seeds", [])):
         return ra, rb
     matched, _ = aggregate([run for run in runs if run.seed in common], confidence)
     return matched[a][environment], matched[b][environment]
@@ -933,6 +952,10 @@ def _reading(comparison: Comparison) -> str:
     if still:
         meaning += (f" In {' and '.join(still)}, no RL iteration had a gradient (each group's episodes scored alike), "
                     "so RL left the policy it started from as it was.")
+    if c.untried_seeds:
+        which = f"seed{'s' * (len(c.untried_seeds) > 1)} {', '.join(map(str, c.untried_seeds))}"
+        meaning += (f" Left out: {which}, where A's curriculum accepted no generated task, so A played B's tasks and "
+                    "the two differ by sampling alone.")
     if c.b_below_warm_start:
         meaning += (f" B itself lost to {WARM_START_METHOD} on these seeds ({c.b_below_warm_start}), so part of any "
                     "lead of A over B is B's fall below its warm start.")
