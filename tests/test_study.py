@@ -13,6 +13,7 @@ from components.results.study import (
     aggregate,
     claim_verdicts,
     claims_reading,
+    claims_table,
     comparisons,
     correction_plot,
     correction_section,
@@ -694,9 +695,10 @@ def test_a_reading_against_a_baseline_that_lost_to_the_warm_start_says_so():
                                             "model than the warm start SFT only played")
 
 
-def test_the_curriculum_claim_pools_only_the_seeds_whose_curriculum_wrote_a_task(tmp_path):
+def test_the_curriculum_claim_pools_only_the_seeds_whose_curriculum_accepted_a_task(tmp_path):
     """Where DreamGym's curriculum accepted no variation, DreamGym played the ablation's schedule: that seed's games
-    tell sampling apart, not the curriculum, so the comparison leaves the seed out and says so."""
+    tell sampling apart, not the curriculum, so the comparison leaves the seed out and says so; with no such seed at
+    all, the claim is not tested."""
     mw = "miniwob"
     for seed, generated, dreamgym_won, ablation_won in ((0, 0, set(range(12)), set()), (1, 2, {0, 1}, {0, 1, 2})):
         for variant, won in (("dreamgym-grpo", dreamgym_won), ("no-curriculum", ablation_won)):
@@ -715,6 +717,16 @@ def test_the_curriculum_claim_pools_only_the_seeds_whose_curriculum_wrote_a_task
     assert found.untried_seeds == (0,)
     assert "Left out: seed 0, where A's curriculum accepted no generated task, so A played B's tasks and the two " \
            "differ by sampling alone." in claims_reading([found], metrics, {}, ("grpo",))
+    assert "p = 1 (seed 0 left out: A's curriculum accepted no task there) |" in claims_table([found])
+    # seed 1's curriculum too accepted none: neither seed can tell, and the claim is not tested
+    record = json.loads((tmp_path / mw / "dreamgym-grpo-seed1" / "synthetic_rl.json").read_text())
+    record["curriculum"].update(generated_tasks=0, accepted=0)
+    (tmp_path / mw / "dreamgym-grpo-seed1" / "synthetic_rl.json").write_text(json.dumps(record))
+    runs = finished_runs(tmp_path)
+    metrics, _ = aggregate(runs)
+    [found] = [c for c in comparisons(metrics, ("grpo",), paired_games(runs), runs=runs)
+               if c.method_b == "DreamGym (GRPO) w/o curriculum"]
+    assert found.outcome == "not tested" and found.untried_seeds == ()
 
 
 def _games(run_dir, policy, won, played=12, environment="textworld-cooking"):

@@ -748,7 +748,7 @@ class Comparison:
     detectable: float | None = None  # the smallest true A - B found with 80% power here
     other_warm_starts: tuple[int, ...] = ()  # seeds whose A and B runs started from different models (`warm_starts`)
     b_below_warm_start: str = ""  # where B lost to the warm start on the same seeds' games: the paired evidence
-    untried_seeds: tuple[int, ...] = ()  # the curriculum claim's seeds left out: A's curriculum wrote no task there
+    untried_seeds: tuple[int, ...] = ()  # the curriculum claim's seeds left out: A's curriculum accepted no task
 
     @property
     def outcome(self) -> str:
@@ -818,10 +818,11 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
 
 
 def _seeds_with_generated_tasks(method: str, environment: str, runs: list[Run] | None) -> set[int] | None:
-    """The seeds whose `method` run played tasks its curriculum generated: only there can it differ from the
-    ablation by more than sampling. None where no run is known or none played one (the claim is then not tested)."""
+    """The seeds whose `method` run's curriculum accepted a generated task (as `aggregate`'s generated_tasks_mean
+    counts them): only there can it differ from the ablation by more than sampling. None where no run is known or
+    none accepted one (the claim is then not tested)."""
     seeds = {run.seed for run, _, name, where, _ in _method_results(runs or []) if name == method
-             and where == environment and run.synthetic_rl.get("curriculum", {}).get("generated_tasks")}
+             and where == environment and run.synthetic_rl.get("curriculum", {}).get("accepted")}
     return seeds or None
 
 
@@ -874,7 +875,9 @@ def claims_table(found: list[Comparison]) -> str:
     rows = [[c.text, c.environment, f"{c.method_a}: {c.a['successes']}/{c.a['episodes']}",
              f"{c.method_b}: " + (f"{c.b['successes']}/{c.b['episodes']}" if c.b else "not run"),
              "" if c.observed is None else f"{c.observed:+.0%}",
-             "" if c.detectable is None else f"{c.detectable:.0%}", _paper_gap(c), c.verdict]
+             "" if c.detectable is None else f"{c.detectable:.0%}", _paper_gap(c), c.verdict + (
+                 f" (seed{'s' * (len(c.untried_seeds) > 1)} {', '.join(map(str, c.untried_seeds))} left out: A's "
+                 "curriculum accepted no task there)" if c.untried_seeds else "")]
             for c in found]
     if not rows:
         return "No claim can be tested yet: no two of its rows have finished runs.\n"
