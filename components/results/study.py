@@ -841,8 +841,13 @@ def _below_warm_start(method: str, environment: str, seeds: set[int],
     if pairs is None or pairs[1] >= pairs[2] or sign_test(pairs[1], pairs[2]) >= 1 - confidence:
         return ""
     return _paired_evidence(pairs, "B", WARM_START_METHOD) + (
-        f"; seed{'s' * (len(other) > 1)} {', '.join(map(str, other))} left out, where B started from another model "
+        f"; {_seeds_named(other)} left out, where B started from another model "
         f"than the warm start {WARM_START_METHOD} played" if other else "")
+
+
+def _seeds_named(seeds) -> str:
+    """"seed 1" or "seeds 0, 2": the seeds a reading names."""
+    return f"seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
 
 
 def _other_starts(a: str | None, b: str | None) -> bool:
@@ -876,7 +881,7 @@ def claims_table(found: list[Comparison]) -> str:
              f"{c.method_b}: " + (f"{c.b['successes']}/{c.b['episodes']}" if c.b else "not run"),
              "" if c.observed is None else f"{c.observed:+.0%}",
              "" if c.detectable is None else f"{c.detectable:.0%}", _paper_gap(c), c.verdict + (
-                 f" (seed{'s' * (len(c.untried_seeds) > 1)} {', '.join(map(str, c.untried_seeds))} left out: A's "
+                 f" ({_seeds_named(c.untried_seeds)} left out: A's "
                  "curriculum accepted no task there)" if c.untried_seeds else "")]
             for c in found]
     if not rows:
@@ -941,7 +946,7 @@ def _reading(comparison: Comparison) -> str:
         return f"**{c.outcome}**{c.verdict[len(c.outcome):]}."
     paper = c.paper_gap
     seeds = sorted(set(c.a.get("seeds", [])) | set(c.b.get("seeds", [])))
-    gaps = f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; " * bool(seeds) + (
+    gaps = f"{_seeds_named(seeds)}; " * bool(seeds) + (
         f"A - B {100 * c.observed:+.0f} points, detectable {100 * c.detectable:.0f}") + (
         f", the paper's {paper:+.1f}" if paper is not None else "")
     meaning = ""  # from the paired test's power only: unpaired, intervals apart is a stricter test than it assumes
@@ -956,16 +961,14 @@ def _reading(comparison: Comparison) -> str:
         meaning += (f" In {' and '.join(still)}, no RL iteration had a gradient (each group's episodes scored alike), "
                     "so RL left the policy it started from as it was.")
     if c.untried_seeds:
-        which = f"seed{'s' * (len(c.untried_seeds) > 1)} {', '.join(map(str, c.untried_seeds))}"
-        meaning += (f" Left out: {which}, where A's curriculum accepted no generated task, so A played B's tasks and "
-                    "the two differ by sampling alone.")
+        meaning += (f" Left out: {_seeds_named(c.untried_seeds)}, where A's curriculum accepted no generated task, "
+                    "so A played B's tasks and the two differ by sampling alone.")
     if c.b_below_warm_start:
         meaning += (f" B itself lost to {WARM_START_METHOD} on these seeds ({c.b_below_warm_start}), so part of any "
                     "lead of A over B is B's fall below its warm start.")
     if c.other_warm_starts:
-        which = f"seed{'s' * (len(c.other_warm_starts) > 1)} {', '.join(map(str, c.other_warm_starts))}"
-        meaning += (f" On {which}, A and B started from different warm starts (the runs table's), so their games "
-                    "differ by the start too.")
+        meaning += (f" On {_seeds_named(c.other_warm_starts)}, A and B started from different warm starts (the runs "
+                    "table's), so their games differ by the start too.")
     return f"**{c.outcome}**{c.verdict[len(c.outcome):]} ({gaps}).{meaning}"
 
 
