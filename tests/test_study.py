@@ -471,6 +471,7 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     (last_round / "metrics" / "evaluate_policies.json").write_text(json.dumps({"sim-to-real": {tw: _evaluation(3, 4)}}))
     (last_round / "metrics" / "sim_to_real.json").write_text(json.dumps({"real_transitions_used": 6}))
     (last_round / "metrics" / "synthetic_rl.json").write_text(json.dumps({"synthetic_transitions": 90}))
+    (last_round / "metrics" / "sim_to_real_iterations.csv").write_text("iteration,grad_norm\n1,0.0\n")
     (last_round / "reports").mkdir()
     _games(last_round / "reports", "sim-to-real", {0, 1, 2}, played=4)
     (tmp_path / "metrics").mkdir()
@@ -495,6 +496,7 @@ def test_a_correction_run_is_kept_from_its_last_round_and_counts_every_rounds_tr
     metrics, _ = aggregate([run])
     row = metrics["DreamGym-S2R (GRPO) + correction"][tw]
     assert (row["successes"], row["real_transitions_mean"], row["synthetic_transitions_mean"]) == (3, 31, 270)
+    assert row["runs_never_updated"] == 0  # its last round's S2R had no gradient, but every round trained the policy
     # the report shows each round's on-policy audit; a run kept before the table was, its summary's first and last
     section = correction_section([run], correction_plot([run], tmp_path / "corrections.png"))
     assert "| s2r-correction-seed0 | 3 | 31 | 5/26 | 0/1 | 0.39 |" in section

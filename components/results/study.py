@@ -468,7 +468,10 @@ were per environment, `RESULTS_DIR/<variant>-seed<k>/`)."""
 
     def never_updated(self, label: str) -> bool:
         """Whether the RL stage that made the policy evaluated under `label` had no iteration with a gradient: that
-        policy is the one the stage started from."""
+        policy is the one the stage started from. Never said of a correction run's policy: each of its rounds trained
+        it, and only the last round's logs are kept."""
+        if self.correction:
+            return False
         stage = "sim_to_real" if label == "sim-to-real" else "synthetic_rl" if label.startswith("synthetic_") else None
         found = self.gradient_iterations(stage) if stage else None
         return found is not None and found[0] == 0
