@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from components.results.study import WARM_START_LABEL, finished_runs, sign_test, warm_starts
+from components.results.study import WARM_START_LABEL, finished_runs, paired_counts, sign_test, warm_starts
 
 
 def kept_policies(results: Path) -> tuple[dict[tuple[str, str, str], dict[str, bool]], dict[str, str]]:
@@ -44,16 +44,19 @@ def main() -> None:
         if policy == WARM_START_LABEL:
             continue
         if (environment, start) not in warm:  # "?" (no training record) is never paired: it names no model
-            unpaired.add(f"{run} (warm start {start})")
+            unpaired.add(f"{run} (no run played warm start {start} on the held-out games)")
             continue
         base = warm[(environment, start)]
-        common = sorted(outcomes.keys() & base.keys())
-        alone = sum(outcomes[game] and not base[game] for game in common)
-        warm_alone = sum(base[game] and not outcomes[game] for game in common)
+        pairs = paired_counts(outcomes, base)
+        if pairs is None:
+            unpaired.add(f"{run} (no held-out game in common with warm start {start})")
+            continue
+        shared, alone, warm_alone = pairs
+        common = outcomes.keys() & base.keys()
         p = sign_test(alone, warm_alone)
         reading = "no difference" if p >= args.alpha else ("won" if alone > warm_alone else "lost")
         readings.append((p, reading, f"{run} {policy}"))
-        print(f"| {run} | {start} | {policy} | {len(common)} | {sum(outcomes[g] for g in common)} | "
+        print(f"| {run} | {start} | {policy} | {shared} | {sum(outcomes[g] for g in common)} | "
               f"{sum(base[g] for g in common)} | {alone} | {warm_alone} | {p:.2g} | {reading} |")
     if not readings:
         raise SystemExit(f"{args.results}: no run's policy could be paired with its warm start's games")
@@ -65,7 +68,7 @@ def main() -> None:
           f"p < {args.alpha} (about {args.alpha * len(readings):.1f} in all expected by chance if none moved); "
           f"p < {args.alpha / len(readings):.2g} (Bonferroni): {'; '.join(survivors) or 'none'}")
     if unpaired:
-        print(f"\nleft out, as no run played their warm start on the held-out games: {'; '.join(sorted(unpaired))}")
+        print(f"\nleft out, unpaired with their warm start: {'; '.join(sorted(unpaired))}")
 
 
 if __name__ == "__main__":

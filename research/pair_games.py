@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from components.results.study import KEPT_GAMES, read_games, sign_test
+from components.results.study import KEPT_GAMES, paired_counts, read_games, sign_test
 
 
 def policy_games(results: Path, run: str, policy: str) -> dict[tuple[str, str], bool]:
@@ -36,10 +36,12 @@ def main() -> None:
     args = parser.parse_args()
     a = policy_games(args.results, args.run_a, args.policy_a)
     b = policy_games(args.results, args.run_b, args.policy_b)
-    common = sorted(a.keys() & b.keys())
-    a_only = sum(a[game] and not b[game] for game in common)
-    b_only = sum(b[game] and not a[game] for game in common)
-    print(f"{len(common)} games both played; A ({args.run_a} {args.policy_a}) won {sum(a[g] for g in common)}, "
+    pairs = paired_counts(a, b)
+    if pairs is None:
+        raise SystemExit(f"{args.run_a} {args.policy_a} and {args.run_b} {args.policy_b} played no game in common")
+    shared, a_only, b_only = pairs
+    common = a.keys() & b.keys()
+    print(f"{shared} games both played; A ({args.run_a} {args.policy_a}) won {sum(a[g] for g in common)}, "
           f"B ({args.run_b} {args.policy_b}) {sum(b[g] for g in common)}; A alone {a_only}, B alone {b_only}; "
           f"sign test p = {sign_test(a_only, b_only):.2g}")
 

@@ -800,7 +800,7 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
                 "tasks" else None
             ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence, tried)
             seeds = set(ra.get("seeds", [])) & set(rb.get("seeds", []))
-            pairs = _pairs(*({game: won for game, won in (games.get((method, environment)) or {}).items()
+            pairs = paired_counts(*({game: won for game, won in (games.get((method, environment)) or {}).items()
                               if tried is None or game[0] in seeds} for method in (a, b)))
             untried = sorted(set(metrics[a][environment].get("seeds", [])) & set(metrics[b][environment].get(
                 "seeds", [])) - seeds) if tried else []
@@ -840,7 +840,7 @@ def _below_warm_start(method: str, environment: str, seeds: set[int],
         return ""
     other = sorted(seed for seed in seeds if _other_starts(start_of.get((method, environment, seed)),
                                                            start_of.get((WARM_START_METHOD, environment, seed))))
-    pairs = _pairs({game: won for game, won in mine.items() if game[0] in seeds - set(other)}, warm)
+    pairs = paired_counts({game: won for game, won in mine.items() if game[0] in seeds - set(other)}, warm)
     if pairs is None or pairs[1] >= pairs[2] or sign_test(pairs[1], pairs[2]) >= 1 - confidence:
         return ""
     return _paired_evidence(pairs, "B", WARM_START_METHOD) + (
@@ -1006,7 +1006,7 @@ def _share(a: dict[str, Any], b: dict[str, Any]) -> str:
     return f"{a.get('real_transitions_mean', 0) / spent:.0%}" if spent else "a share"
 
 
-def _pairs(a: dict[tuple[int, str], bool] | None, b: dict[tuple[int, str], bool] | None) -> tuple[int, int, int] | None:
+def paired_counts(a: dict[tuple, bool] | None, b: dict[tuple, bool] | None) -> tuple[int, int, int] | None:
     """(games both played, games only A won, games only B won), or None when they share no game."""
     common = (a or {}).keys() & (b or {}).keys()
     if not common:
