@@ -788,7 +788,8 @@ def test_against_warm_start_pairs_each_policy_with_the_games_of_its_own_warm_sta
     assert f"| {tw}/real-ppo-seed1 | 1b | sim-to-real | 12 | 0 | 8 | 0 | 8 | 0.0078 | lost |" in out
     assert f"| {tw}/dreamgym-grpo-seed2 | 2a | synthetic_grpo | 12 | 3 | 2 | 1 | 0 | 1 | no difference |" in out
     assert "2 policies: 0 won and 1 lost" in out and f"(Bonferroni): {tw}/real-ppo-seed1 sim-to-real (lost" in out
-    assert f"unpaired with their warm start: {tw}/real-grpo-seed1 (no run played warm start 1a on the held-out games)" in out
+    assert (f"unpaired with their warm start: {tw}/real-grpo-seed1 (no run played warm start 1a on the held-out games)"
+            in out)
 
 
 def test_action_format_counts_games_with_stacked_commands_and_games_stuck_in_a_loop(tmp_path, capsys, monkeypatch):
