@@ -801,7 +801,7 @@ def comparisons(metrics: dict[str, Any], algorithm_names: tuple[str, ...] = ("gr
             ra, rb = matched_seeds(metrics, a, b, environment, runs, confidence, tried)
             seeds = set(ra.get("seeds", [])) & set(rb.get("seeds", []))
             pairs = paired_counts(*({game: won for game, won in (games.get((method, environment)) or {}).items()
-                              if tried is None or game[0] in seeds} for method in (a, b)))
+                                     if tried is None or game[0] in seeds} for method in (a, b)))
             untried = sorted(set(metrics[a][environment].get("seeds", [])) & set(metrics[b][environment].get(
                 "seeds", [])) - seeds) if tried else []
             other = tuple(seed for seed in sorted(seeds)
